@@ -1,0 +1,232 @@
+"""``selectinfer``: pack, profile, generate, bench and eval from the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .engine import GenerationConfig
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _model_path(arg: str | None) -> str:
+    if arg:
+        return arg
+    from .default_model import ensure_packed
+    return str(ensure_packed(log=_log))
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Model, ratio and device options shared by generate, bench and eval."""
+    p.add_argument("--model", help="packed model folder (default: the embedded Gemma 3 270M)")
+    p.add_argument("--profiles", help="profiles folder (default: profiles/<model-id>)")
+    p.add_argument("--task", default="", help="task profile (default: the first one)")
+    p.add_argument("--load-ratio", type=float, default=1.0, help="gamma: share of neurons loaded")
+    p.add_argument("--static-ratio", type=float, help="delta: static (base) share (default 0.3)")
+    p.add_argument("--compute-ratio", type=float, help="phi: share computed per token (default gamma)")
+    p.add_argument("--alpha", type=float, default=0.2, help="per-token top share for dynamic votes")
+    p.add_argument("--dense-layers", type=int, default=0, help="first/last layers kept dense")
+    p.add_argument("--selection", default="published", help="neuron selection strategy")
+    p.add_argument("--memory-budget", type=float, help="GiB the weights may take (chooses gamma)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: packed)")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def runtime_from_args(args: argparse.Namespace, dense: bool = False):
+    import torch
+    from .runtime import Runtime, RuntimeOptions
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    budget = int(args.memory_budget * 2**30) if args.memory_budget else None
+    opts = RuntimeOptions(
+        model=_model_path(args.model), profiles=args.profiles, task=args.task,
+        load_ratio=args.load_ratio, static_ratio=args.static_ratio,
+        compute_ratio=args.compute_ratio, alpha=args.alpha, device=args.device, dtype=args.dtype,
+        dense_layers=args.dense_layers, selection=args.selection, memory_budget_bytes=budget,
+        dense=dense)
+    return Runtime(opts, log=_log)
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    from .loader import resolve_dtype
+    from .pack import pack
+    pack(args.hf_dir, args.out_dir, model_id=args.model_id,
+         dtype=resolve_dtype(args.dtype, None) if args.dtype else None, log=_log)
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import torch
+    from .loader import load_dense
+    from .pack import read_manifest
+    from .paths import default_profiles_dir
+    from .profiler import profile_task
+    from transformers import AutoTokenizer
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = _model_path(args.model)
+    manifest = read_manifest(path)
+    model, _ = load_dense(path, args.dtype, args.device)
+    tok = AutoTokenizer.from_pretrained(path)
+    out = Path(args.out) if args.out else default_profiles_dir(manifest.model_id)
+    prof = profile_task(model, tok, manifest, args.task, args.data, args.batch_size, args.max_tokens)
+    saved = prof.save(out / f"{args.task}.safetensors")
+    _log(f"[profile] {args.task}: {prof.tokens} tokens -> {saved}")
+    return 0
+
+
+def cmd_profile_show(argv: list[str]) -> int:
+    from .profiles import load_profile
+    from .profiler import summarize
+    p = argparse.ArgumentParser(prog="selectinfer profile show")
+    p.add_argument("dir", help="profiles folder (profiles/<model-id>)")
+    p.add_argument("--static-ratio", type=float, default=0.3)
+    args = p.parse_args(argv)
+    profs = {f.stem: load_profile(f) for f in sorted(Path(args.dir).glob("*.safetensors"))}
+    if not profs:
+        print(f"no profiles in {args.dir}", file=sys.stderr)
+        return 1
+    print(summarize(profs, args.static_ratio))
+    return 0
+
+
+def _gen_config(args: argparse.Namespace, **over) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p,
+                            repetition_penalty=args.repetition_penalty, seed=args.seed,
+                            stop=list(args.stop or []), use_chat_template=args.chat, **over)
+
+
+def result_json(rt, res, prompt: str | None = None) -> dict:
+    m = res.metrics
+    mem = rt.memory()
+    out = {"text": res.text, "finish_reason": res.finish_reason, "prompt_tokens": m.prompt_tokens,
+           "generated_tokens": m.generated_tokens, "tokens_per_second": m.tokens_per_second,
+           "prefill_tokens_per_second": m.prefill_tokens_per_second,
+           "time_to_first_token": m.time_to_first_token, "weight_bytes": mem["weight_bytes"],
+           "ffn_weight_bytes": mem["ffn_weight_bytes"], "other_weight_bytes": mem["other_weight_bytes"],
+           "process_rss_bytes": mem["process_rss_bytes"], "bytes_read": rt.bytes_read,
+           "load_seconds": rt.load_seconds, "task": rt.task, "load_ratio": rt.load_ratio,
+           "compute_ratio": rt.compute_ratio, "model_id": rt.model_id}
+    if prompt is not None:
+        out["prompt"] = prompt
+    return out
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .profiler import read_jsonl
+    rt = runtime_from_args(args, dense=args.dense)
+    if args.prompts:
+        for rec in read_jsonl(args.prompts):
+            prompt = rec.get("prompt", rec.get("text"))
+            res = rt.generate(prompt, _gen_config(args), task=rec.get("task", ""))
+            print(json.dumps(result_json(rt, res, prompt)), flush=True)
+        return 0
+    if args.prompt is None:
+        print("selectinfer generate: give a prompt or --prompts FILE.jsonl", file=sys.stderr)
+        return 2
+    stream = None if args.json else (lambda s: print(s, end="", flush=True))
+    res = rt.generate(args.prompt, _gen_config(args), on_text=stream)
+    if args.json:
+        print(json.dumps(result_json(rt, res)))
+    else:
+        m = res.metrics
+        mem = rt.memory()
+        print(f"\n--\nfinish={res.finish_reason} prompt_tokens={m.prompt_tokens} "
+              f"generated={m.generated_tokens} ttft={m.time_to_first_token:.3f}s "
+              f"decode={m.tokens_per_second:.2f} tok/s weights={mem['weight_bytes'] / 2**20:.1f} MiB "
+              f"(ffn {mem['ffn_weight_bytes'] / 2**20:.1f}) read={rt.bytes_read / 2**20:.1f} MiB "
+              f"load={rt.load_seconds:.2f}s task={rt.task or '-'} gamma={rt.load_ratio} "
+              f"phi={rt.compute_ratio}", file=sys.stderr)
+    return 0
+
+
+def cmd_make_random(args: argparse.Namespace) -> int:
+    import torch
+    from .pack import pack
+    from .random_model import make_random_model
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    hf = make_random_model(args.preset, Path(args.out) / "hf", dtype=dtype, seed=args.seed)
+    pack(hf, Path(args.out) / "packed", model_id=f"random-{args.preset}", log=_log)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="selectinfer", description="SelectInfer: selective neuron "
+                                 "loading and computation for gated-MLP LLMs")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("pack", help="convert a Hugging Face checkpoint to the packed layout")
+    p.add_argument("hf_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--model-id")
+    p.add_argument("--dtype")
+    p.set_defaults(func=cmd_pack)
+
+    p = sub.add_parser("profile", help="profile a task (`selectinfer profile show DIR` summarises)")
+    p.add_argument("model", nargs="?", help="packed model folder (default: embedded model)")
+    p.add_argument("--task", required=True)
+    p.add_argument("--data", required=True, nargs="+", help="JSONL prompt sets")
+    p.add_argument("--out", help="profiles folder (default profiles/<model-id>)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype")
+    p.add_argument("--threads", type=int)
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("generate", help="generate text (streams, then prints metrics)")
+    add_model_args(p)
+    p.add_argument("prompt", nargs="?")
+    p.add_argument("--prompts", help="JSONL file of prompts: one JSON result per line")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--dense", action="store_true", help="the unmodified transformers model")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="apply the chat template")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("make-random", help="random-weight model with real shapes, packed")
+    p.add_argument("preset")
+    p.add_argument("out")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_random)
+
+    try:
+        from . import bench  # noqa: F401  (registers itself when present)
+        bench.register(sub)
+    except ImportError:
+        pass
+    try:
+        from . import evaluate
+        evaluate.register(sub)
+    except ImportError:
+        pass
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["profile", "show"]:
+        return cmd_profile_show(argv[2:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"selectinfer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

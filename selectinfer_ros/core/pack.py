@@ -1,0 +1,194 @@
+"""Packed model format: a Hugging Face checkpoint rewritten neuron-major.
+
+A packed model folder holds:
+
+- ``manifest.json``: format version, architecture, shapes, dtype, source checksum, fingerprint;
+- ``config.json`` and the tokenizer files, copied from the source;
+- ``model.safetensors``: every non-FFN tensor under its Hugging Face name;
+- ``ffn.safetensors``: per layer ``layers.<l>.neurons`` of shape ``[I, 3, H]``; record ``n`` is
+  (gate row n, up row n, down column n), so a neuron is ``3 * H * itemsize`` contiguous bytes and
+  loading a subset of neurons reads only those records.
+
+Standard tools read both safetensors files. Packing goes layer by layer (peak memory: one layer).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from .architectures import architecture_for
+from .progress import progress
+from .safetensors_io import FormatError, StreamWriter, read_header
+
+FORMAT = "selectinfer-packed"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+FFN_FILE = "ffn.safetensors"
+OTHER_FILE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "chat_template.jinja", "generation_config.json",
+                   "vocab.json", "merges.txt")
+
+
+def neuron_key(layer: int) -> str:
+    return f"layers.{layer}.neurons"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a packed folder says about itself (``manifest.json``)."""
+
+    model_id: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    dtype: torch.dtype
+    source_sha256: str
+    fingerprint: str
+    path: Path
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one neuron record (gate row + up row + down column)."""
+        return 3 * self.hidden_size * self.dtype.itemsize
+
+    @property
+    def ffn_bytes(self) -> int:
+        return self.num_layers * self.intermediate_size * self.record_bytes
+
+
+def fingerprint(model_type: str, num_layers: int, hidden: int, inter: int, source_sha256: str) -> str:
+    """Short identity of a model's weights; profiles carry it and are refused on a mismatch."""
+    raw = f"{model_type}:{num_layers}:{hidden}:{inter}:{source_sha256}".encode()
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def is_packed(path: str | Path) -> bool:
+    path = Path(path)
+    return all((path / f).exists() for f in (MANIFEST, FFN_FILE, OTHER_FILE, "config.json"))
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    """Read and check ``manifest.json`` of a packed folder; refuses unknown or corrupt ones."""
+    path = Path(path)
+    mf = path / MANIFEST
+    if not mf.exists():
+        raise FileNotFoundError(f"{path} is not a packed model (no {MANIFEST}); "
+                                f"create one with `selectinfer pack HF_DIR {path}`")
+    try:
+        raw = json.loads(mf.read_text())
+        if raw.get("format") != FORMAT:
+            raise FormatError(f"{mf}: format {raw.get('format')!r}, expected {FORMAT!r}")
+        if raw.get("version") != FORMAT_VERSION:
+            raise FormatError(f"{mf}: format version {raw.get('version')}, this build reads "
+                              f"{FORMAT_VERSION}; re-pack the model")
+        m = Manifest(raw["model_id"], raw["model_type"], int(raw["num_layers"]),
+                     int(raw["hidden_size"]), int(raw["intermediate_size"]),
+                     getattr(torch, raw["dtype"]), raw["source_sha256"], raw["fingerprint"], path)
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise FormatError(f"{mf}: corrupt manifest ({e})") from e
+    if m.fingerprint != fingerprint(m.model_type, m.num_layers, m.hidden_size,
+                                    m.intermediate_size, m.source_sha256):
+        raise FormatError(f"{mf}: fingerprint does not match the manifest's own fields")
+    return m
+
+
+def check_ffn_file(m: Manifest) -> dict:
+    """Header of ``ffn.safetensors``, checked against the manifest (shape, dtype, size)."""
+    path = m.path / FFN_FILE
+    tensors, meta, _ = read_header(path)
+    if meta.get("fingerprint") != m.fingerprint:
+        raise FormatError(f"{path}: fingerprint {meta.get('fingerprint')!r} does not match "
+                          f"manifest {m.fingerprint!r} (file from another model)")
+    want = (m.intermediate_size, 3, m.hidden_size)
+    for layer in range(m.num_layers):
+        info = tensors.get(neuron_key(layer))
+        if info is None:
+            raise FormatError(f"{path}: missing tensor {neuron_key(layer)}")
+        if info.shape != want or info.dtype != m.dtype:
+            raise FormatError(f"{path}: {neuron_key(layer)} is {info.dtype} {info.shape}, manifest "
+                              f"says {m.dtype} {want}")
+    return tensors
+
+
+def source_checksum(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for f in sorted(files):
+        with open(f, "rb") as fh:
+            while block := fh.read(8 << 20):
+                h.update(block)
+    return h.hexdigest()
+
+
+def pack(src: str | Path, out: str | Path, model_id: str | None = None,
+         dtype: torch.dtype | None = None, log: Callable[[str], None] = print) -> Manifest:
+    """Convert a Hugging Face checkpoint folder into a packed folder (layer by layer)."""
+    from transformers import AutoConfig
+
+    src, out = Path(src), Path(out)
+    config = AutoConfig.from_pretrained(src)
+    if getattr(config, "text_config", None) is not None and config.model_type not in ("gemma3_text",):
+        raise ValueError(f"{src}: {config.model_type} is a multimodal wrapper; pack its text model")
+    arch = architecture_for(config)
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{src}: no *.safetensors files (convert .bin checkpoints first)")
+    t0 = time.perf_counter()
+    log(f"[pack] checksumming {len(files)} source file(s) ...")
+    sha = source_checksum(files)
+    L, H, I = config.num_hidden_layers, config.hidden_size, config.intermediate_size
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    where = {k: h for h in handles for k in h.keys()}
+    probe = where[arch.ffn_key(0, "gate")].get_slice(arch.ffn_key(0, "gate"))
+    src_dtype = getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[probe.get_dtype()])
+    dtype = dtype or src_dtype
+    fp = fingerprint(config.model_type, L, H, I, sha)
+    model_id = model_id or src.name
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+    meta = {"fingerprint": fp, "format": FORMAT, "version": str(FORMAT_VERSION)}
+    ffn = StreamWriter(tmp / FFN_FILE, {neuron_key(l): (dtype, (I, 3, H)) for l in range(L)}, meta)
+    for layer in progress(range(L), desc="pack FFN layers", total=L):
+        gate = where[arch.ffn_key(layer, "gate")].get_tensor(arch.ffn_key(layer, "gate"))  # [I, H]
+        up = where[arch.ffn_key(layer, "up")].get_tensor(arch.ffn_key(layer, "up"))  # [I, H]
+        down = where[arch.ffn_key(layer, "down")].get_tensor(arch.ffn_key(layer, "down"))  # [H, I]
+        if gate.shape != (I, H) or up.shape != (I, H) or down.shape != (H, I):
+            raise FormatError(f"{src}: layer {layer} FFN shapes {tuple(gate.shape)}, "
+                              f"{tuple(up.shape)}, {tuple(down.shape)} do not match the config")
+        ffn.write(neuron_key(layer), torch.stack([gate, up, down.t()], dim=1).to(dtype))
+    ffn.close()
+
+    others = sorted(k for k in where if not arch.is_ffn_key(k))
+    specs = {}
+    for k in others:
+        sl = where[k].get_slice(k)
+        specs[k] = (dtype, tuple(sl.get_shape()))
+    w = StreamWriter(tmp / OTHER_FILE, specs, meta)
+    for k in progress(others, desc="pack other tensors", total=len(others)):
+        w.write(k, where[k].get_tensor(k).to(dtype))
+    w.close()
+
+    shutil.copy(src / "config.json", tmp / "config.json")
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, tmp / name)
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "model_id": model_id,
+                "model_type": config.model_type, "num_layers": L, "hidden_size": H,
+                "intermediate_size": I, "dtype": str(dtype).removeprefix("torch."),
+                "source_sha256": sha, "fingerprint": fp, "source": str(src.resolve())}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log(f"[pack] {model_id}: {L} layers x {I} neurons -> {out} in {time.perf_counter() - t0:.1f} s")
+    return read_manifest(out)

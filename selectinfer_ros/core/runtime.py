@@ -1,0 +1,135 @@
+"""One loaded model ready to serve: selective (or dense) model + engine + counters.
+
+The CLI and the ROS nodes both go through :class:`Runtime`; it holds no ROS types.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .engine import Engine, GenerationConfig, GenerationResult
+from .loader import SelectiveModel, SwitchReport, load_dense
+from .metrics import (RunningStats, cuda_allocated_bytes, peak_rss_bytes, process_rss_bytes,
+                      system_available_bytes)
+from .pack import read_manifest
+from .paths import default_profiles_dir
+
+DEFAULT_STATIC_RATIO = 0.3
+
+
+@dataclass
+class RuntimeOptions:
+    model: str
+    profiles: str | None = None  # None = profiles/<model-id>
+    task: str = ""
+    load_ratio: float = 1.0
+    static_ratio: float | None = None  # None = min(0.3, compute_ratio)
+    compute_ratio: float | None = None  # None = load_ratio
+    alpha: float = 0.2
+    device: str = "cpu"
+    dtype: str | None = None
+    dense_layers: int = 0
+    selection: str = "published"
+    memory_budget_bytes: int | None = None
+    context_limit: int | None = None
+    dense: bool = False  # the unmodified transformers model, for comparison
+
+
+class Runtime:
+    """A served model: generate, switch task, report memory."""
+
+    def __init__(self, opts: RuntimeOptions, log: Callable[[str], None] = lambda s: None):
+        self.opts = opts
+        manifest = read_manifest(opts.model)
+        self.model_id = manifest.model_id
+        self.stats = RunningStats()
+        self.switches = 0
+        self.last_switch: SwitchReport | None = None
+        self._lock = threading.Lock()
+        if opts.dense:
+            from transformers import AutoTokenizer
+            import time
+            t0 = time.perf_counter()
+            model, nbytes = load_dense(opts.model, opts.dtype, opts.device)
+            self.selective = None
+            self.engine = Engine(model, AutoTokenizer.from_pretrained(opts.model),
+                                 context_limit=opts.context_limit)
+            self.bytes_read, self.load_seconds = nbytes, time.perf_counter() - t0
+            self.task = ""
+            return
+        profiles = opts.profiles or default_profiles_dir(manifest.model_id)
+        if not Path(profiles).is_dir():
+            if opts.load_ratio < 1.0 and opts.selection != "random":
+                raise FileNotFoundError(f"profiles folder {profiles} does not exist; run "
+                                        f"`selectinfer profile` for model {manifest.model_id}")
+            profiles = None
+        phi = opts.compute_ratio if opts.compute_ratio is not None else opts.load_ratio
+        delta = opts.static_ratio if opts.static_ratio is not None else min(DEFAULT_STATIC_RATIO, phi)
+        self.selective = SelectiveModel(
+            opts.model, profiles, opts.task or None, opts.load_ratio, delta, phi, opts.alpha,
+            opts.device, opts.dtype, opts.dense_layers, opts.selection, opts.memory_budget_bytes, log)
+        self.engine = Engine.from_selective(self.selective, opts.context_limit)
+        self.bytes_read, self.load_seconds = self.selective.bytes_read, self.selective.load_seconds
+        self.task = self.selective.task
+
+    @property
+    def tasks(self) -> list[str]:
+        sm = self.selective
+        return sm.catalog.tasks if sm is not None and sm.catalog is not None else []
+
+    def generate(self, prompt: str | list[int], config: GenerationConfig,
+                 on_text: Callable[[str], None] | None = None,
+                 cancel: Callable[[], bool] | None = None, task: str = "") -> GenerationResult:
+        """Generate, switching to ``task`` first when it differs from the active one."""
+        with self._lock:
+            if task and task != self.task:
+                self._switch(task)
+            result = self.engine.generate(prompt, config, on_text, cancel)
+            self.stats.record(result.metrics)
+            return result
+
+    def switch_task(self, task: str) -> SwitchReport:
+        """Reload base neurons for ``task`` (waits for a generation in flight)."""
+        with self._lock:
+            return self._switch(task)
+
+    def _switch(self, task: str) -> SwitchReport:
+        if self.selective is None:
+            raise ValueError("the dense model has no task profiles")
+        report = self.selective.switch_task(task)
+        self.task = task
+        self.switches += 1
+        self.last_switch = report
+        return report
+
+    def memory(self) -> dict[str, float]:
+        sm = self.selective
+        if sm is not None:
+            w = sm.weight_bytes()
+            loaded = sum(m.n_loaded for m in sm.mlps)
+        else:
+            model = self.engine.model
+            total = sum(p.numel() * p.element_size() for p in model.parameters())
+            ffn = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".mlp." in n)
+            w = {"ffn": ffn, "other": total - ffn, "total": total}
+            loaded = sum(b.mlp.down_proj.in_features for b in model.model.layers)
+        return {"weight_bytes": w["total"], "ffn_weight_bytes": w["ffn"], "other_weight_bytes": w["other"],
+                "process_rss_bytes": process_rss_bytes(), "peak_rss_bytes": peak_rss_bytes(),
+                "cuda_allocated_bytes": cuda_allocated_bytes(),
+                "system_available_bytes": system_available_bytes(), "neurons_loaded": loaded}
+
+    @property
+    def load_ratio(self) -> float:
+        return self.selective.load_ratio if self.selective is not None else 1.0
+
+    @property
+    def compute_ratio(self) -> float:
+        return self.selective.compute_ratio if self.selective is not None else 1.0
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device

@@ -1,0 +1,63 @@
+"""Fixtures for the ROS-free core: tiny random models (packed) and the embedded model."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("SELECTINFER_QUIET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Per family: (HF checkpoint dir, packed dir) of a small random-weight model."""
+    from selectinfer_ros.core.pack import pack
+    from selectinfer_ros.core.random_model import make_random_model
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for preset in ("tiny-llama", "tiny-qwen2", "tiny-gemma3"):
+        hf = make_random_model(preset, root / preset / "hf", std=0.1)
+        out[preset] = (hf, pack(hf, root / preset / "packed", log=lambda s: None).path)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_profiles(tiny_models, tmp_path_factory) -> dict[str, Path]:
+    """Per family: a profiles folder with two tasks profiled on random token text."""
+    from selectinfer_ros.core.loader import load_dense
+    from selectinfer_ros.core.pack import read_manifest
+    from selectinfer_ros.core.profiler import activation_scores
+    from selectinfer_ros.core.profiles import Profile
+    from transformers import AutoTokenizer
+    out = {}
+    g = torch.Generator().manual_seed(1)
+    for preset, (hf, packed) in tiny_models.items():
+        m = read_manifest(packed)
+        model, _ = load_dense(packed)
+        tok = AutoTokenizer.from_pretrained(packed)
+        d = tmp_path_factory.mktemp(f"profiles-{preset}")
+        for task, lo in (("alpha", 4), ("beta", 250)):
+            texts = [" ".join(f"w{int(t)}" for t in torch.randint(lo, lo + 200, (24,), generator=g))
+                     for _ in range(6)]
+            scores, tokens = activation_scores(model, tok, texts, batch_size=3)
+            Profile(task, m.model_id, m.fingerprint, scores, tokens, "test").save(d / f"{task}.safetensors")
+        out[preset] = d
+    return out
+
+
+@pytest.fixture(scope="session")
+def embedded() -> Path:
+    """The packed embedded Gemma 3 270M (converted by the setup script)."""
+    from selectinfer_ros.core.default_model import ensure_packed
+    return ensure_packed(log=lambda s: None)
+
+
+@pytest.fixture(scope="session")
+def embedded_profiles() -> Path:
+    from selectinfer_ros.core.default_model import MODEL_ID
+    from selectinfer_ros.core.paths import default_profiles_dir
+    d = default_profiles_dir(MODEL_ID)
+    assert any(d.glob("*.safetensors")), f"no shipped profiles in {d}"
+    return d
