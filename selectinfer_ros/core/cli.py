@@ -66,13 +66,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .pack import read_manifest
     from .paths import default_profiles_dir
     from .profiler import profile_task
-    from transformers import AutoTokenizer
+    from .tokenizer import load_tokenizer
     if args.threads:
         torch.set_num_threads(args.threads)
     path = _model_path(args.model)
     manifest = read_manifest(path)
     model, _ = load_dense(path, args.dtype, args.device)
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = load_tokenizer(path)
     out = Path(args.out) if args.out else default_profiles_dir(manifest.model_id)
     prof = profile_task(model, tok, manifest, args.task, args.data, args.batch_size, args.max_tokens)
     saved = prof.save(out / f"{args.task}.safetensors")

@@ -6,6 +6,7 @@ ones; decode computes only the active prefix).
 """
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -92,6 +93,9 @@ class Engine:
                 eos.update(src)
         self.eos_ids = eos
         self._lock = threading.Lock()
+        params = inspect.signature(model.forward).parameters
+        # transformers renamed past_key_values to cache (5.x); robots may run either.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     @classmethod
     def from_selective(cls, sm, context_limit: int | None = None) -> "Engine":
@@ -164,8 +168,8 @@ class Engine:
         try:
             if cancel is not None and cancel():
                 raise Canceled
-            logits = self.model(input_ids, past_key_values=cache, use_cache=True,
-                                logits_to_keep=1).logits[0, -1]
+            kw = {self._cache_kw: cache, "use_cache": True}
+            logits = self.model(input_ids, logits_to_keep=1, **kw).logits[0, -1]
             tok = self._sample(logits, config, history, gen)
             t_first = time.perf_counter()
             metrics.prefill_seconds = metrics.time_to_first_token = t_first - t0
@@ -197,7 +201,7 @@ class Engine:
                 if cancel is not None and cancel():
                     raise Canceled
                 step[0, 0] = tok
-                logits = self.model(step, past_key_values=cache, use_cache=True).logits[0, -1]
+                logits = self.model(step, **kw).logits[0, -1]
                 tok = self._sample(logits, config, history, gen)
         except Canceled:
             finish = "canceled"

@@ -20,6 +20,7 @@ from .pack import FFN_FILE, OTHER_FILE, Manifest, check_ffn_file, neuron_key, re
 from .profiles import (ProfileCatalog, Selection, neuron_count, select_published, select_random)
 from .progress import progress
 from .safetensors_io import CountingReader, FormatError, read_header
+from .tokenizer import load_tokenizer
 from .selective_mlp import SelectionState, SelectiveMLP
 
 BOUNCE_BYTES = 8 << 20  # bounce buffer for coalesced neuron reads
@@ -298,8 +299,7 @@ class SelectiveModel:
     @property
     def tokenizer(self):
         if not hasattr(self, "_tokenizer"):
-            from transformers import AutoTokenizer
-            self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+            self._tokenizer = load_tokenizer(self.path)
         return self._tokenizer
 
 

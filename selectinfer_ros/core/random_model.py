@@ -65,6 +65,10 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
                                    unk_token="<unk>", pad_token="<pad>")
     fast.save_pretrained(out)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # not the family's own tokenizer class
+    cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
 def make_random_model(preset: str, out: str | Path, dtype: torch.dtype = torch.float32,

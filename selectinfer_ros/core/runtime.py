@@ -17,6 +17,7 @@ from .metrics import (RunningStats, cuda_allocated_bytes, peak_rss_bytes, proces
                       system_available_bytes)
 from .pack import read_manifest
 from .paths import default_profiles_dir
+from .tokenizer import load_tokenizer
 
 DEFAULT_STATIC_RATIO = 0.3
 
@@ -51,12 +52,11 @@ class Runtime:
         self.last_switch: SwitchReport | None = None
         self._lock = threading.Lock()
         if opts.dense:
-            from transformers import AutoTokenizer
             import time
             t0 = time.perf_counter()
             model, nbytes = load_dense(opts.model, opts.dtype, opts.device)
             self.selective = None
-            self.engine = Engine(model, AutoTokenizer.from_pretrained(opts.model),
+            self.engine = Engine(model, load_tokenizer(opts.model),
                                  context_limit=opts.context_limit)
             self.bytes_read, self.load_seconds = nbytes, time.perf_counter() - t0
             self.task = ""

@@ -25,24 +25,26 @@ def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 
 @pytest.fixture(scope="session")
 def tiny_profiles(tiny_models, tmp_path_factory) -> dict[str, Path]:
-    """Per family: a profiles folder with two tasks profiled on random token text."""
+    """Per family: task 'alpha' profiled on random token text, task 'beta' with random scores
+    (random weights make every text's top neurons alike; the loader tests need tasks that differ)."""
     from selectinfer_ros.core.loader import load_dense
     from selectinfer_ros.core.pack import read_manifest
     from selectinfer_ros.core.profiler import activation_scores
     from selectinfer_ros.core.profiles import Profile
-    from transformers import AutoTokenizer
+    from selectinfer_ros.core.tokenizer import load_tokenizer
     out = {}
     g = torch.Generator().manual_seed(1)
     for preset, (hf, packed) in tiny_models.items():
         m = read_manifest(packed)
         model, _ = load_dense(packed)
-        tok = AutoTokenizer.from_pretrained(packed)
+        tok = load_tokenizer(packed)
         d = tmp_path_factory.mktemp(f"profiles-{preset}")
-        for task, lo in (("alpha", 4), ("beta", 250)):
-            texts = [" ".join(f"w{int(t)}" for t in torch.randint(lo, lo + 200, (24,), generator=g))
-                     for _ in range(6)]
-            scores, tokens = activation_scores(model, tok, texts, batch_size=3)
-            Profile(task, m.model_id, m.fingerprint, scores, tokens, "test").save(d / f"{task}.safetensors")
+        texts = [" ".join(f"w{int(t)}" for t in torch.randint(4, 500, (24,), generator=g))
+                 for _ in range(6)]
+        scores, tokens = activation_scores(model, tok, texts, batch_size=3)
+        Profile("alpha", m.model_id, m.fingerprint, scores, tokens, "test").save(d / "alpha.safetensors")
+        beta = torch.rand(scores.shape, generator=g) * scores.mean()
+        Profile("beta", m.model_id, m.fingerprint, beta, tokens, "test").save(d / "beta.safetensors")
         out[preset] = d
     return out
 
