@@ -203,16 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_random)
 
-    try:
-        from . import bench  # noqa: F401  (registers itself when present)
-        bench.register(sub)
-    except ImportError:
-        pass
-    try:
-        from . import evaluate
-        evaluate.register(sub)
-    except ImportError:
-        pass
+    from . import bench, evaluate
+    bench.register(sub)
+    evaluate.register(sub)
     return ap
 
 

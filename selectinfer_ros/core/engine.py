@@ -38,6 +38,7 @@ class GenerationConfig:
     stop: list[str] = field(default_factory=list)
     use_chat_template: bool = False
     compute_ratio: float | None = None  # None = the model's setting
+    ignore_eos: bool = False  # benchmarks: always produce max_new_tokens
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -179,7 +180,7 @@ class Engine:
             while True:
                 new_ids.append(tok)
                 history[tok] = True
-                if tok in self.eos_ids:
+                if tok in self.eos_ids and not config.ignore_eos:
                     new_ids.pop()
                     finish = "stop"
                     break

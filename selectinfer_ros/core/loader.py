@@ -212,7 +212,7 @@ class SelectiveModel:
         ``keep``'s buffers, the rest read from disk. Returns records read."""
         H, k = self.manifest.hidden_size, ids.numel()
         gu = torch.empty(k, 2, H, dtype=self.dtype, device=self.device)
-        down_t = torch.empty(k, H, dtype=self.dtype, device=self.device)
+        down = torch.empty(H, k, dtype=self.dtype, device=self.device)
         need = torch.ones(k, dtype=torch.bool)
         if keep is not None and keep.n_loaded:
             where = torch.full((self.manifest.intermediate_size,), -1, dtype=torch.long)
@@ -222,7 +222,7 @@ class SelectiveModel:
             pos = torch.nonzero(hit).flatten().to(self.device)
             src = old[hit].to(self.device)
             gu.index_copy_(0, pos, keep.gu.index_select(0, src))
-            down_t.index_copy_(0, pos, keep.down_t.index_select(0, src))
+            down.index_copy_(1, pos, keep.down.index_select(1, src))
             need = ~hit
         todo = torch.nonzero(need).flatten()
 
@@ -230,14 +230,14 @@ class SelectiveModel:
             slots = todo[positions].to(self.device)
             rec = rec.to(device=self.device, dtype=self.dtype)
             gu.index_copy_(0, slots, rec[:, :2])
-            down_t.index_copy_(0, slots, rec[:, 2])
+            down.index_copy_(1, slots, rec[:, 2].t())
 
         info = self.ffn_tensors[neuron_key(layer)]
         got = _read_neurons(reader, info.start, self.manifest.record_bytes, ids[todo], sink,
                             self.manifest.dtype, H)
         mlp = self.mlps[layer]
         mlp.dense = layer < self.dense_layers or layer >= self.manifest.num_layers - self.dense_layers
-        mlp.set_slots(gu, down_t, ids.to(self.device), n_static)
+        mlp.set_slots(gu, down, ids.to(self.device), n_static)
         return got
 
     def switch_task(self, task: str) -> SwitchReport:
@@ -288,13 +288,14 @@ class SelectiveModel:
 
     def load_ratio_for_budget(self, budget: int) -> float:
         """The largest load_ratio whose resident weights fit ``budget`` bytes."""
+        m = self.manifest
         other = self.other_bytes_estimate()
-        ffn = self.manifest.ffn_bytes // self.manifest.dtype.itemsize * self.dtype.itemsize
-        gamma = min(1.0, (budget - other) / ffn)
-        if gamma <= 0.05:
+        per_neuron = m.num_layers * 3 * m.hidden_size * self.dtype.itemsize  # one neuron, all layers
+        n = min(m.intermediate_size, max(0, (budget - other) // per_neuron))
+        if n < 0.05 * m.intermediate_size:
             raise ValueError(f"memory budget {budget / 2**30:.2f} GiB leaves no room for the FFN: "
                              f"non-FFN weights alone take {other / 2**30:.2f} GiB")
-        return float(int(gamma * 1000) / 1000)
+        return n / m.intermediate_size
 
     @property
     def tokenizer(self):

