@@ -112,3 +112,190 @@ def wait_until():
 def wait_for_future():
     """wait_for_future(future, timeout) -> result; raises TimeoutError."""
     return _wait_for_future
+
+
+# ---------------------------------------------------------------------------------------------
+# selectinfer nodes (selectinfer_ros.nodes) on a tiny random model
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope='session')
+def tiny_llm(tmp_path_factory):
+    """A tiny random llama, packed, with task profiles 'alpha' and 'beta' that differ.
+
+    Returns an object with .model (packed folder) and .profiles (folder of *.safetensors).
+    """
+    import types
+
+    os.environ.setdefault('SELECTINFER_QUIET', '1')
+    import torch
+
+    from selectinfer_ros.core.loader import load_dense
+    from selectinfer_ros.core.pack import pack, read_manifest
+    from selectinfer_ros.core.profiler import activation_scores
+    from selectinfer_ros.core.profiles import Profile
+    from selectinfer_ros.core.random_model import make_random_model
+    from selectinfer_ros.core.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp('tiny-llm')
+    hf = make_random_model('tiny-llama', root / 'hf', std=0.1)
+    packed = pack(hf, root / 'packed', log=lambda s: None).path
+    manifest = read_manifest(packed)
+    model, _ = load_dense(packed)
+    tok = load_tokenizer(packed)
+    gen = torch.Generator().manual_seed(1)
+    texts = [' '.join(f'w{int(t)}' for t in torch.randint(4, 500, (24,), generator=gen))
+             for _ in range(6)]
+    scores, tokens = activation_scores(model, tok, texts, batch_size=3)
+    profiles = root / 'profiles'
+    Profile('alpha', manifest.model_id, manifest.fingerprint, scores, tokens,
+            'test').save(profiles / 'alpha.safetensors')
+    beta = torch.rand(scores.shape, generator=gen) * scores.mean()
+    Profile('beta', manifest.model_id, manifest.fingerprint, beta, tokens,
+            'test').save(profiles / 'beta.safetensors')
+    del model
+    return types.SimpleNamespace(model=packed, profiles=profiles, model_id=manifest.model_id)
+
+
+class LLMGraph:
+    """selectinfer_node (+ optionally profile_manager) and a client node, in one executor.
+
+    Every instance uses its own namespace so that tests never see each other's endpoints.
+    """
+
+    def __init__(self, spinner, namespace, node_params, manager_params=None):
+        from rclpy.action import ActionClient
+        from rclpy.callback_groups import ReentrantCallbackGroup
+        from rclpy.node import Node
+        from rclpy.parameter import Parameter
+
+        from selectinfer_msgs.action import Generate
+        from selectinfer_ros.nodes.inference_node import InferenceNode
+        from selectinfer_ros.nodes.profile_manager import ProfileManager
+
+        self.spinner = spinner
+        self.namespace = namespace
+        context = spinner.executor.context
+        overrides = [Parameter(k, value=v) for k, v in node_params.items()]
+        self.node = spinner.add_node(InferenceNode(
+            namespace=namespace, context=context, parameter_overrides=overrides))
+        self.manager = None
+        if manager_params is not None:
+            m_overrides = [Parameter(k, value=v) for k, v in manager_params.items()]
+            self.manager = spinner.add_node(ProfileManager(
+                namespace=namespace, context=context, parameter_overrides=m_overrides))
+        self.client_node = spinner.add_node(Node('test_client', namespace=namespace,
+                                                 context=context))
+        self.group = ReentrantCallbackGroup()
+        self.action = ActionClient(self.client_node, Generate, 'generate',
+                                   callback_group=self.group)
+        self._clients = []
+
+    def ready(self, timeout=20.0):
+        assert self.node.wait_loaded(timeout), f'model not loaded: {self.node.load_error}'
+        assert self.action.wait_for_server(timeout_sec=timeout), 'generate not discovered'
+        return self
+
+    def goal(self, prompt='w5 w6 w7', **fields):
+        from selectinfer_msgs.action import Generate
+        return Generate.Goal(prompt=prompt, **fields)
+
+    def send(self, goal, timeout=10.0, client=None):
+        """Send a goal; returns a GoalRun (accepted, feedback, result futures)."""
+        return GoalRun(client or self.action, goal, timeout)
+
+    def run(self, goal, timeout=60.0):
+        run = self.send(goal)
+        if run.accepted:
+            run.wait(timeout)
+        return run
+
+    def new_action_client(self):
+        from rclpy.action import ActionClient
+
+        from selectinfer_msgs.action import Generate
+        client = ActionClient(self.client_node, Generate, 'generate', callback_group=self.group)
+        self._clients.append(client)
+        return client
+
+    def call(self, srv_type, name, request, timeout=30.0):
+        client = self.client_node.create_client(srv_type, name, callback_group=self.group)
+        try:
+            assert client.wait_for_service(timeout_sec=10.0), f'{name} not available'
+            return _wait_for_future(client.call_async(request), timeout)
+        finally:
+            self.client_node.destroy_client(client)
+
+    def close(self):
+        for c in self._clients:
+            c.destroy()
+        self.action.destroy()
+
+
+class GoalRun:
+    """One goal as a client sees it: acceptance, feedback messages, final status and result."""
+
+    def __init__(self, client, goal, timeout):
+        self.feedback = []
+        self.lock = threading.Lock()
+        self.t_sent = time.monotonic()
+        future = client.send_goal_async(goal, feedback_callback=self._on_feedback)
+        self.handle = _wait_for_future(future, timeout)
+        self.accepted = bool(self.handle.accepted)
+        self.result_future = self.handle.get_result_async() if self.accepted else None
+        self.status = None
+        self.result = None
+        self.t_done = None
+
+    def _on_feedback(self, msg):
+        with self.lock:
+            self.feedback.append((time.monotonic(), msg.feedback))
+
+    def text(self):
+        with self.lock:
+            return ''.join(f.text_delta for _, f in self.feedback)
+
+    def wait_feedback(self, n, timeout):
+        return _wait_until(lambda: len(self.feedback) >= n, timeout)
+
+    def cancel(self, timeout=10.0):
+        return _wait_for_future(self.handle.cancel_goal_async(), timeout)
+
+    def wait(self, timeout):
+        response = _wait_for_future(self.result_future, timeout)
+        self.t_done = time.monotonic()
+        self.status, self.result = response.status, response.result
+        return self
+
+
+@pytest.fixture
+def llm_graph(ros_context, tiny_llm):
+    """Factory: llm_graph(manager=None|dict, **node_params) -> started LLMGraph (tiny model).
+
+    Node parameters default to the tiny model and its profiles (load_ratio 0.7, compute_ratio
+    0.5); ``manager`` gives the profile manager's parameters (model/profiles filled in).
+    """
+    import uuid
+
+    spinner = SpinningExecutor(ros_context, num_threads=8).start()
+    graphs = []
+
+    def make(manager=None, **params):
+        node_params = dict(model=str(tiny_llm.model), profiles=str(tiny_llm.profiles),
+                           load_ratio=0.7, compute_ratio=0.5, diagnostics_period=0.5)
+        node_params.update(params)
+        manager_params = None
+        if manager is not None:
+            manager_params = dict(model=node_params['model'], profiles=node_params['profiles'])
+            manager_params.update(manager)
+        graph = LLMGraph(spinner, f'llm_{uuid.uuid4().hex[:8]}', node_params, manager_params)
+        graphs.append(graph)
+        return graph
+
+    try:
+        yield make
+    finally:
+        for g in graphs:
+            g.close()
+        stopped = spinner.stop(timeout=10.0)
+        assert spinner.error is None, f'executor raised: {spinner.error!r}'
+        assert stopped, 'executor thread did not stop within 10 s'

@@ -1,0 +1,1 @@
+"""Small commands for machines without ros2cli: generate, switch, diagnostics."""

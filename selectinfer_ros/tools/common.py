@@ -1,0 +1,90 @@
+"""A short-lived rclpy client (context, node, executor thread) for the small commands."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import rclpy
+from rclpy.context import Context
+from rclpy.executors import MultiThreadedExecutor
+from rclpy.node import Node
+
+
+def init_context(args: list[str] | None = None) -> Context:
+    """A fresh context; Ctrl-C stays a KeyboardInterrupt (so a command can cancel its goal)."""
+    context = Context()
+    try:
+        from rclpy.signals import SignalHandlerOptions
+        rclpy.init(args=args, context=context, signal_handler_options=SignalHandlerOptions.NO)
+    except (ImportError, TypeError):  # rclpy without signal handler options
+        rclpy.init(args=args, context=context)
+    return context
+
+
+def ns_name(namespace: str, name: str) -> str:
+    """``name`` inside ``namespace`` (``llm`` + ``generate`` -> ``/llm/generate``)."""
+    if name.startswith("/"):
+        return name
+    ns = "/" + namespace.strip("/") if namespace.strip("/") else ""
+    return f"{ns}/{name}"
+
+
+class RosClient:
+    """``with RosClient('name') as c: ...``: a node spun by a background executor thread."""
+
+    def __init__(self, name: str, args: list[str] | None = None):
+        self.context = init_context(args)
+        self.node = Node(f"{name}_{os.getpid()}", context=self.context)
+        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
+        self.executor.add_node(self.node)
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+        self._thread.start()
+
+    def _spin(self) -> None:
+        try:
+            self.executor.spin()
+        except Exception:  # noqa: BLE001 - shutting down
+            pass
+
+    @staticmethod
+    def wait(future, timeout: float):
+        """The future's result, or None after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not future.done():
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
+        return future.result()
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=3.0)
+        self._thread.join(3.0)
+        self.node.destroy_node()
+        if self.context.ok():
+            rclpy.shutdown(context=self.context)
+
+    def __enter__(self) -> "RosClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def status_name(status: int) -> str:
+    from action_msgs.msg import GoalStatus
+    names = {GoalStatus.STATUS_SUCCEEDED: "SUCCEEDED", GoalStatus.STATUS_CANCELED: "CANCELED",
+             GoalStatus.STATUS_ABORTED: "ABORTED", GoalStatus.STATUS_EXECUTING: "EXECUTING",
+             GoalStatus.STATUS_ACCEPTED: "ACCEPTED", GoalStatus.STATUS_CANCELING: "CANCELING"}
+    return names.get(status, f"status {status}")
+
+
+def format_result(status: int, r) -> str:
+    """One line about a Generate result."""
+    line = (f"{status_name(status)}: finish={r.finish_reason or '-'}, {r.generated_tokens} tokens "
+            f"(prompt {r.prompt_tokens}), {r.tokens_per_second:.2f} tok/s, first token after "
+            f"{r.time_to_first_token:.2f} s, profile {r.profile or '-'}, load_ratio "
+            f"{r.load_ratio:.2f}, compute_ratio {r.compute_ratio:.2f}")
+    if r.error_code:
+        line += f"; error {r.error_code}: {r.error_msg}"
+    return line

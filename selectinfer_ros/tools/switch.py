@@ -1,0 +1,48 @@
+"""Switch the active task profile through the profile manager (no ros2cli needed).
+
+    python -m selectinfer_ros.tools.switch translation
+
+Prints the reload time and bytes read; exit status 0 on success, 1 when refused (unknown task,
+corrupt profile, manager not active), 2 when the service is not found. ``--direct`` calls the
+inference node's ``reload_base`` instead (when no profile manager runs).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import RosClient, ns_name
+
+
+def main(argv: list[str] | None = None) -> int:
+    from selectinfer_msgs.srv import ReloadBase, SwitchProfile
+    ap = argparse.ArgumentParser(prog="python -m selectinfer_ros.tools.switch",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("task")
+    ap.add_argument("--namespace", default="llm")
+    ap.add_argument("--direct", action="store_true",
+                    help="call the inference node's reload_base (no profile manager)")
+    ap.add_argument("--timeout", type=float, default=300.0)
+    args = ap.parse_args(argv)
+    srv_type, name = ((ReloadBase, "reload_base") if args.direct
+                      else (SwitchProfile, "switch_profile"))
+    name = ns_name(args.namespace, name)
+    with RosClient("selectinfer_switch") as c:
+        client = c.node.create_client(srv_type, name)
+        if not client.wait_for_service(timeout_sec=10.0):
+            print(f"no service {name} (is the profile manager configured?)", file=sys.stderr)
+            return 2
+        resp = c.wait(client.call_async(srv_type.Request(task=args.task)), args.timeout)
+        if resp is None:
+            print(f"{name} did not answer within {args.timeout:g} s", file=sys.stderr)
+            return 1
+        if not resp.success:
+            print(f"refused: {resp.message} (active task: {resp.active_task or '-'})")
+            return 1
+        print(f"active task {resp.active_task}: reload {resp.reload_seconds:.3f} s, "
+              f"{resp.bytes_read / 2**20:.2f} MiB read ({resp.message})")
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
