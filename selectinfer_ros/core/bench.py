@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .engine import Engine, GenerationConfig
-from .loader import SelectiveModel, load_dense
+from .loader import SelectiveModel, _skeleton, load_dense, resolve_dtype
 from .metrics import peak_rss_bytes, process_rss_bytes
 from .pack import read_manifest
 from .tokenizer import load_tokenizer
@@ -146,14 +146,15 @@ def _load(subject: Subject, make) -> None:
 def build_subjects(args, model_path: Path, profiles: Path | None, log) -> list[Subject]:
     grid = QUICK_GRID if args.quick else GRID
     subjects: list[Subject] = []
-    dense_model = {}
+    # One-time costs (tokenizer, model code imports) stay out of every configuration's load time.
+    tok = load_tokenizer(model_path)
+    _skeleton(model_path, resolve_dtype(args.dtype, read_manifest(model_path).dtype))
 
     def make_dense(s: Subject) -> None:
         model, s.bytes_read = load_dense(model_path, args.dtype, args.device)
         s.model = model
-        s.engine = Engine(model, load_tokenizer(model_path))
+        s.engine = Engine(model, tok)
         s.weight_bytes = _unique_bytes(model)
-        dense_model["m"] = model
 
     dense = Subject("dense", "dense", 1.0, 1.0)
     _load(dense, make_dense)
@@ -171,6 +172,7 @@ def build_subjects(args, model_path: Path, profiles: Path | None, log) -> list[S
                 sm = SelectiveModel(model_path, profiles, args.task or None, gamma,
                                     min(0.3, min(p for g, p in grid if g == gamma)), gamma,
                                     device=args.device, dtype=args.dtype, log=log)
+                sm._tokenizer = tok
                 by_gamma[gamma] = sm
             _load(s, make_sel)
         else:
@@ -186,7 +188,7 @@ def build_subjects(args, model_path: Path, profiles: Path | None, log) -> list[S
                 from .quantize import quantize_model
                 model, s.bytes_read = load_dense(model_path, args.dtype, args.device)
                 s.model = quantize_model(model, bits)
-                s.engine = Engine(s.model, load_tokenizer(model_path))
+                s.engine = Engine(s.model, tok)
                 s.weight_bytes = _unique_bytes(s.model)
             s = Subject(f"int{bits} weight-only", f"int{bits}", 1.0, 1.0)
             try:

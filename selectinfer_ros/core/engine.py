@@ -218,6 +218,31 @@ class Engine:
             on_text(text[emitted:])
         return GenerationResult(text, finish, new_ids, metrics)
 
+    @torch.inference_mode()
+    def score(self, prefix: list[int], continuation: list[int]) -> torch.Tensor:
+        """Logits ``[len(continuation), V]`` predicting each continuation token, computed as
+        generation would: selection at the prefix's prefill, then the decode path (active neurons
+        only) over the continuation, teacher-forced."""
+        with self._lock:
+            cache = DynamicCache(config=self.model.config)
+            kw = {self._cache_kw: cache, "use_cache": True}
+            ids = torch.tensor([prefix], device=self.device)
+            if self.state is not None:
+                bos = self.tokenizer.bos_token_id
+                self.state.token_weight = (ids[0] != bos).float() if bos is not None else None
+                self.state.prefill = True
+            try:
+                first = self.model(ids, logits_to_keep=1, **kw).logits[0, -1:]
+                if self.state is not None:
+                    self.state.prefill = False
+                if len(continuation) < 2:
+                    return first.float()
+                rest = torch.tensor([continuation[:-1]], device=self.device)
+                return torch.cat([first, self.model(rest, **kw).logits[0]]).float()
+            finally:
+                if self.state is not None:
+                    self.state.prefill = True
+
     @staticmethod
     def _sample(logits: torch.Tensor, config: GenerationConfig, history: torch.Tensor,
                 gen: torch.Generator) -> int:

@@ -77,13 +77,13 @@ class SelectiveMLP(nn.Module):
             key = (a.square() * w[:, None]).sum(0)  # [k] GRIFFIN: prompt-wide norm per neuron
         else:
             k_alpha = max(1, int(self.state.alpha * k))
-            top = torch.topk(a, k_alpha, dim=1).indices  # [T, k_alpha]
+            top = torch.topk(a, k_alpha, dim=1, sorted=False).indices  # [T, k_alpha]
             counts = torch.zeros(k, device=a.device).index_add_(
                 0, top.flatten(), w[:, None].expand_as(top).flatten())
             mass = (a * w[:, None]).sum(0)
             key = counts + 0.5 * mass / mass.max().clamp_min(1e-30)  # ties broken by summed |a|
         key[:s] = -1.0
-        chosen = torch.topk(key, e).indices
+        chosen = torch.topk(key, e, sorted=False).indices
         self._swap_in(chosen, s, e)
 
     def _swap_in(self, chosen: torch.Tensor, s: int, e: int) -> None:
@@ -99,13 +99,18 @@ class SelectiveMLP(nn.Module):
         outside = s + e + torch.argsort(1 - mark[s + e:], stable=True)
         pairs = min(e, n_out)
         moving = mark[s + e:].sum()  # how many chosen slots lie outside the window
-        valid = torch.arange(pairs, device=chosen.device) < moving
         a = inside[:pairs]
-        b = torch.where(valid, outside[:pairs], a)  # invalid pairs swap a slot with itself
-        for buf, dim in ((self.gu, 0), (self.down, 1), (self.slot_ids, 0)):
-            rows_a, rows_b = buf.index_select(dim, a), buf.index_select(dim, b)
-            buf.index_copy_(dim, a, rows_b)
-            buf.index_copy_(dim, b, rows_a)
+        if chosen.device.type == "cpu":  # a host read is free here: swap only the moving pairs
+            pairs = int(moving)
+            a, b = a[:pairs], outside[:pairs]
+        else:  # no host sync on accelerators: surplus pairs swap a slot with itself
+            b = torch.where(torch.arange(pairs, device=chosen.device) < moving, outside[:pairs], a)
+        if pairs == 0:
+            return
+        dst, src = torch.cat([a, b]), torch.cat([b, a])
+        self.gu.index_copy_(0, dst, self.gu.index_select(0, src))
+        self.down.index_copy_(1, dst, self.down.index_select(1, src))
+        self.slot_ids.index_copy_(0, dst, self.slot_ids.index_select(0, src))
 
     def weight_bytes(self) -> int:
         return self.gu.numel() * self.gu.element_size() + self.down.numel() * self.down.element_size()
