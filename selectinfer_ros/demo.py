@@ -24,10 +24,6 @@ def _wait(future, timeout: float):
     return future.result()
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("SELECTINFER_QUIET", "1")
     from action_msgs.msg import GoalStatus
@@ -40,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from .bringup import Bringup, add_arguments, overrides_from_args, resolve_params_file
     from .nodes.diagnostics import format_array
     from .nodes.settings import ParamError
-    from .tools.common import format_result
+    from .tools.common import format_result, human_bytes
 
     ap = argparse.ArgumentParser(prog="python -m selectinfer_ros.demo",
                                  description=__doc__.splitlines()[0])
@@ -67,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         bringup.configure_and_activate()
         node, manager = bringup.inference, bringup.manager
         rt = node.runtime
-        say(f"      {rt.model_id} on {rt.device}: {_mib(rt.bytes_read)} read in "
+        say(f"      {rt.model_id} on {rt.device}: {human_bytes(rt.bytes_read)} read in "
             f"{rt.load_seconds:.2f} s (load_ratio {rt.load_ratio:g}, compute_ratio "
             f"{rt.compute_ratio:g}); tasks {', '.join(rt.tasks) or '-'}; active "
             f"{manager.active_task!r}; ready after {time.perf_counter() - t0:.1f} s")
@@ -115,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             rep = rt.last_switch
             share = resp.bytes_read / rt.bytes_read if rt.bytes_read else 0.0
             say(f"      active {resp.active_task!r}: reload {resp.reload_seconds:.3f} s, "
-                f"{_mib(resp.bytes_read)} read ({rep.neurons_read} neurons read, "
+                f"{human_bytes(resp.bytes_read)} read ({rep.neurons_read} neurons read, "
                 f"{rep.neurons_dropped} dropped)")
-            say(f"      full model load: {rt.load_seconds:.2f} s, {_mib(rt.bytes_read)} read -> the "
-                f"switch read {100 * share:.2f} % of the bytes in "
-                f"{100 * resp.reload_seconds / max(rt.load_seconds, 1e-9):.1f} % of the time")
+            say(f"      full model load: {rt.load_seconds:.2f} s, {human_bytes(rt.bytes_read)} read -> the "
+                f"switch read {100 * share:.3g} % of the bytes in "
+                f"{100 * resp.reload_seconds / max(rt.load_seconds, 1e-9):.3g} % of the time")
 
         # ---- one diagnostics message ---------------------------------------------------------
         topic = f"{node.get_namespace().rstrip('/')}/diagnostics"

@@ -71,6 +71,15 @@ class RosClient:
         self.close()
 
 
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``1.5 KiB``; ``3 << 20`` -> ``3.0 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 def status_name(status: int) -> str:
     from action_msgs.msg import GoalStatus
     names = {GoalStatus.STATUS_SUCCEEDED: "SUCCEEDED", GoalStatus.STATUS_CANCELED: "CANCELED",

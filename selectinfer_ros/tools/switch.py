@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import RosClient, ns_name
+from .common import RosClient, human_bytes, ns_name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"refused: {resp.message} (active task: {resp.active_task or '-'})")
             return 1
         print(f"active task {resp.active_task}: reload {resp.reload_seconds:.3f} s, "
-              f"{resp.bytes_read / 2**20:.2f} MiB read ({resp.message})")
+              f"{human_bytes(resp.bytes_read)} read ({resp.message})")
         return 0
 
 
