@@ -56,6 +56,11 @@ setup(
             'selectinfer = selectinfer_ros.core.cli:main',
             'selectinfer_node = selectinfer_ros.nodes.inference_node:main',
             'profile_manager = selectinfer_ros.nodes.profile_manager:main',
+            'selectinfer_bringup = selectinfer_ros.bringup:main',
+            'selectinfer_demo = selectinfer_ros.demo:main',
+            'selectinfer_generate = selectinfer_ros.tools.generate:main',
+            'selectinfer_switch = selectinfer_ros.tools.switch:main',
+            'selectinfer_diagnostics = selectinfer_ros.tools.diagnostics:main',
         ],
     },
 )
