@@ -36,6 +36,7 @@ setup(
     name=package_name,
     version='0.1.0',
     packages=find_packages(exclude=['test', 'test.*']),
+    package_data={package_name: ['data/*/*.jsonl']},
     data_files=data_files,
     install_requires=[
         'setuptools',
@@ -45,7 +46,7 @@ setup(
         'safetensors',
         'transformers',
     ],
-    zip_safe=True,
+    zip_safe=False,
     maintainer='selectinfer developers',
     maintainer_email='dev@selectinfer.example.com',
     description='ROS 2 nodes serving an LLM with selective neuron loading.',
