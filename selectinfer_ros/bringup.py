@@ -152,8 +152,13 @@ class Bringup:
 
 
 def overrides_from_args(args) -> dict:
-    return {"model": args.model, "task": args.task, "load_ratio": args.load_ratio,
-            "compute_ratio": args.compute_ratio, "device": args.device, "dtype": args.dtype}
+    """Parameter overrides from the options that were given (as the launch file does: with
+    ``--device cpu`` and no ``--dtype``, dtype becomes float32, float16 being slow on CPUs)."""
+    out = {"model": args.model, "task": args.task, "load_ratio": args.load_ratio,
+           "compute_ratio": args.compute_ratio, "device": args.device, "dtype": args.dtype}
+    if args.device == "cpu" and not args.dtype:
+        out["dtype"] = "float32"
+    return out
 
 
 def add_arguments(ap: argparse.ArgumentParser, default_params: str | None = "desktop.yaml") -> None:

@@ -157,7 +157,9 @@ class ProfileManager(LifecycleNode):
         future = client.call_async(ReloadBase.Request(task=task))
         future.add_done_callback(lambda _f: done.set())
         if not done.wait(timeout):
-            client.remove_pending_request(future)
+            remove = getattr(client, "remove_pending_request", None)
+            if remove is not None:
+                remove(future)
             return ReloadBase.Response(
                 success=False, message=f"{client.srv_name} did not answer within {timeout:g} s")
         resp = future.result()

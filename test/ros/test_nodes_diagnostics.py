@@ -145,3 +145,26 @@ def test_diagnostic_levels_from_snapshots():
     assert diag.level_of(full.status[1]) == 1 and 'queue full' in full.status[1].message
     text = diag.format_array(full)
     assert '[WARN] n: throughput' in text and 'queue_depth' in text
+
+
+def test_failed_model_load_reports_error_and_node_keeps_answering(llm_graph, tiny_llm, tmp_path,
+                                                                  wait_until):
+    import shutil
+
+    from selectinfer_msgs.srv import ReloadBase
+    from selectinfer_ros.core.pack import FFN_FILE
+    packed = tmp_path / 'packed'
+    shutil.copytree(tiny_llm.model, packed)
+    ffn = packed / FFN_FILE
+    ffn.write_bytes(ffn.read_bytes()[:1000])  # truncated neuron file: the load fails
+    g = llm_graph(model=str(packed))
+    assert not g.node.wait_loaded(30.0)
+    assert g.node.load_error
+    assert g.action.wait_for_server(timeout_sec=10.0)
+    arr = g.node.publish_diagnostics()
+    assert [diag.level_of(s) for s in arr.status] == [2, 2, 2]
+    assert all('no model loaded (load failed' in s.message for s in arr.status)
+    assert not g.send(g.goal()).accepted
+    resp = g.call(ReloadBase, 'reload_base', ReloadBase.Request(task='beta'))
+    assert not resp.success and 'no model loaded' in resp.message
+    assert g.node.snapshot().rejected == 1

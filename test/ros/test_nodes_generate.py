@@ -122,7 +122,7 @@ def test_eight_clients_at_once_with_queue_of_four(llm_graph):
     clients = [g.new_action_client() for _ in range(8)]
     for c in clients:
         assert c.wait_for_server(timeout_sec=10.0)
-    futures = [c.send_goal_async(g.goal(f'w{10 + i} w7', max_new_tokens=60)) for i, c in
+    futures = [c.send_goal_async(g.goal(f'w{10 + i} w7', max_new_tokens=120)) for i, c in
                enumerate(clients)]
     deadline = time.monotonic() + 20.0
     while not all(f.done() for f in futures):
