@@ -206,42 +206,55 @@ class SelectiveModel:
         return Selection(neurons, n_static)
 
     # -- loading ---------------------------------------------------------------------------
-    def _load_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor, n_static: int,
-                    keep: SelectiveMLP | None = None) -> int:
-        """Fill layer ``layer`` with neurons ``ids`` (slot order); resident ones are copied from
-        ``keep``'s buffers, the rest read from disk. Returns records read."""
+    def _load_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor, n_static: int) -> int:
+        """Fill layer ``layer`` with neurons ``ids`` (slot order) read from disk. Returns records read."""
         H, k = self.manifest.hidden_size, ids.numel()
         gu = torch.empty(k, 2, H, dtype=self.dtype, device=self.device)
         down = torch.empty(H, k, dtype=self.dtype, device=self.device)
-        need = torch.ones(k, dtype=torch.bool)
-        if keep is not None and keep.n_loaded:
-            where = torch.full((self.manifest.intermediate_size,), -1, dtype=torch.long)
-            where[keep.slot_ids.cpu()] = torch.arange(keep.n_loaded)
-            old = where[ids]
-            hit = old >= 0
-            pos = torch.nonzero(hit).flatten().to(self.device)
-            src = old[hit].to(self.device)
-            gu.index_copy_(0, pos, keep.gu.index_select(0, src))
-            down.index_copy_(1, pos, keep.down.index_select(1, src))
-            need = ~hit
-        todo = torch.nonzero(need).flatten()
-
-        def sink(positions: torch.Tensor, rec: torch.Tensor) -> None:  # rec [n, 3, H]
-            slots = todo[positions].to(self.device)
-            rec = rec.to(device=self.device, dtype=self.dtype)
-            gu.index_copy_(0, slots, rec[:, :2])
-            down.index_copy_(1, slots, rec[:, 2].t())
-
-        info = self.ffn_tensors[neuron_key(layer)]
-        got = _read_neurons(reader, info.start, self.manifest.record_bytes, ids[todo], sink,
-                            self.manifest.dtype, H)
+        got = self._read_into(reader, layer, ids, torch.arange(k), gu, down)
         mlp = self.mlps[layer]
         mlp.dense = layer < self.dense_layers or layer >= self.manifest.num_layers - self.dense_layers
         mlp.set_slots(gu, down, ids.to(self.device), n_static)
         return got
 
+    def _read_into(self, reader: CountingReader, layer: int, ids: torch.Tensor, slots: torch.Tensor,
+                   gu: torch.Tensor, down: torch.Tensor) -> int:
+        """Read neuron records ``ids`` into slots ``slots`` of ``gu`` ``[k, 2, H]`` / ``down`` ``[H, k]``."""
+        def sink(positions: torch.Tensor, rec: torch.Tensor) -> None:  # rec [n, 3, H]
+            dst = slots[positions].to(self.device)
+            rec = rec.to(device=self.device, dtype=self.dtype)
+            gu.index_copy_(0, dst, rec[:, :2])
+            down.index_copy_(1, dst, rec[:, 2].t())
+
+        info = self.ffn_tensors[neuron_key(layer)]
+        return _read_neurons(reader, info.start, self.manifest.record_bytes, ids, sink,
+                             self.manifest.dtype, self.manifest.hidden_size)
+
+    def _switch_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor, n_static: int) -> int:
+        """In place: read the neurons of ``ids`` not resident into the slots of those no longer
+        selected, then swap the base neurons (``ids[:n_static]``) into the static prefix."""
+        mlp = self.mlps[layer]
+        if mlp.n_loaded != ids.numel():
+            return self._load_layer(reader, layer, ids, n_static)
+        inter = self.manifest.intermediate_size
+        current = mlp.slot_ids.cpu()
+        wanted = torch.zeros(inter, dtype=torch.bool)
+        wanted[ids] = True
+        resident = torch.zeros(inter, dtype=torch.bool)
+        resident[current] = True
+        free = torch.nonzero(~wanted[current]).flatten()  # slots whose neuron is dropped
+        incoming = ids[~resident[ids]]  # neurons to read, as many as free slots
+        got = self._read_into(reader, layer, incoming, free, mlp.gu, mlp.down)
+        mlp.slot_ids.index_copy_(0, free.to(self.device), incoming.to(self.device))
+        where = torch.full((inter,), -1, dtype=torch.long)
+        where[mlp.slot_ids.cpu()] = torch.arange(mlp.n_loaded)
+        mlp.n_static = n_static
+        mlp._swap_in(where[ids[:n_static]].to(self.device), 0, n_static)
+        return got
+
     def switch_task(self, task: str) -> SwitchReport:
-        """Load another task's base neurons: read only neurons not resident, drop unselected."""
+        """Load another task's base neurons in place: read only neurons not resident (into the slots
+        of the dropped ones), then move the new base neurons into the static prefix."""
         if self.catalog is None:
             raise ValueError("no profiles folder: cannot switch task")
         t0 = time.perf_counter()
@@ -252,7 +265,7 @@ class SelectiveModel:
             for layer in range(self.manifest.num_layers):
                 mlp = self.mlps[layer]
                 dropped += int((~torch.isin(mlp.slot_ids.cpu(), sel.neurons[layer])).sum())
-                read += self._load_layer(r, layer, sel.neurons[layer], sel.n_static[layer], keep=mlp)
+                read += self._switch_layer(r, layer, sel.neurons[layer], sel.n_static[layer])
             nbytes = r.bytes_read
         self.task = task
         self.set_compute_ratio(self.compute_ratio)

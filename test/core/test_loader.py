@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from selectinfer_ros.core.loader import SelectiveModel, check_ratios
+from selectinfer_ros.core.loader import SelectiveModel, check_ratios, load_dense
 from selectinfer_ros.core.pack import FFN_FILE, MANIFEST, OTHER_FILE, read_manifest
 from selectinfer_ros.core.profiles import Profile, load_profile
 from selectinfer_ros.core.safetensors_io import FormatError, read_header
@@ -65,12 +65,17 @@ def test_task_switch_reads_only_new_neurons(tiny_models, tiny_profiles):
     assert report.neurons_read == added
     assert report.bytes_read == added * m.record_bytes
     assert report.neurons_dropped == sum(len(o - n) for n, o in zip(new, old))
-    for a, b in zip(sm.loaded_neuron_ids(), fresh.loaded_neuron_ids()):
-        assert torch.equal(a, b)  # same slot order: base neurons first
+    for mlp, ref in zip(sm.mlps, fresh.mlps):  # same neurons, base neurons in the static prefix
+        assert set(mlp.slot_ids.tolist()) == set(ref.slot_ids.tolist())
+        assert set(mlp.slot_ids[: mlp.n_static].tolist()) == set(ref.slot_ids[: ref.n_static].tolist())
     ids = torch.randint(4, 500, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(sm.model(ids).logits, fresh.model(ids).logits)
     assert sm.task == "beta"
+    dense, _ = load_dense(packed)
+    for mlp, blk in zip(sm.mlps, dense.model.layers):  # every slot holds its neuron's weights
+        torch.testing.assert_close(mlp.gu[:, 0], blk.mlp.gate_proj.weight[mlp.slot_ids])
+        torch.testing.assert_close(mlp.down, blk.mlp.down_proj.weight[:, mlp.slot_ids])
 
 
 def test_peak_rss_while_loading_stays_below_footprint_plus_one_layer(embedded, embedded_profiles):

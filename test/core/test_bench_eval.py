@@ -1,0 +1,66 @@
+"""`selectinfer bench --quick` and `selectinfer eval --quick` write their files with sane values."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from selectinfer_ros.core.textmetrics import chrf, exact_match, rouge_l
+
+
+def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "selectinfer_ros.core.cli", *args], capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_bench_quick_writes_json_and_plot(tiny_models, tiny_profiles, tmp_path):
+    _, packed = tiny_models["tiny-llama"]
+    out = _cli("bench", "--quick", "--model", str(packed), "--profiles", str(tiny_profiles["tiny-llama"]),
+               "--task", "alpha", "--threads", "1", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert (tmp_path / "bench_speed_vs_memory.png").stat().st_size > 10_000
+    assert "decode tok/s" in out.stdout
+    names = [r["name"] for r in rows]
+    assert names[0] == "dense" and "selectinfer 0.7/0.5" in names and "int8 weight-only" in names
+    dense = rows[0]
+    assert dense["decode_speedup"] == 1.0 and dense["weight_ratio"] == 1.0
+    for r in rows:
+        for key in ("decode_tokens_per_second", "prefill_tokens_per_second", "time_to_first_token",
+                    "weight_bytes", "bytes_read", "load_seconds", "peak_rss_bytes",
+                    "memory_bandwidth_bytes_per_second", "bytes_per_decode_token"):
+            assert r[key] > 0, (r["name"], key)
+        assert 0 < r["decode_speedup"] < 100
+        assert 0.0 <= r["share_ffn"] + r["share_attention"] + r["share_output"] <= 1.05
+    sel = {r["name"]: r for r in rows if r["method"] == "selectinfer"}
+    # Resident weights and bytes read follow gamma; decode bytes per token follow phi.
+    assert sel["selectinfer 0.7/0.7"]["weight_bytes"] < sel["selectinfer 1/1"]["weight_bytes"]
+    assert sel["selectinfer 0.7/0.7"]["bytes_read"] < sel["selectinfer 1/1"]["bytes_read"]
+    assert sel["selectinfer 0.7/0.5"]["bytes_per_decode_token"] < sel["selectinfer 0.7/0.7"]["bytes_per_decode_token"]
+    assert "selection_seconds" in sel["selectinfer 0.7/0.5"]
+
+
+def test_eval_quick_on_embedded_model(embedded, embedded_profiles, tmp_path):
+    _cli("eval", "--quick", "--only", "loading_only,random", "--threads", "2", "--out", str(tmp_path),
+         timeout=1500)
+    rows = json.loads((tmp_path / "eval.json").read_text())
+    assert (tmp_path / "eval_accuracy_vs_memory.png").exists()
+    by = {r["method"]: r for r in rows}
+    assert set(by) == {"dense", "loading_only", "random"}
+    assert by["dense"]["next_token_agreement"] == 1.0 and by["dense"]["mean4_frac"] == 1.0
+    for r in rows:
+        assert 0 <= r["qa_em"] <= 1 and 0 <= r["translation_chrf"] <= 100
+        assert r["prose_ppl"] >= 1 and r["summary_ref_ppl"] >= 1
+    # The paper's central claim on a real model: profiled loading beats random loading.
+    assert by["loading_only"]["next_token_agreement"] > by["random"]["next_token_agreement"] + 0.2
+    assert by["loading_only"]["prose_ppl"] < by["random"]["prose_ppl"]
+    assert by["loading_only"]["weight_bytes"] == by["random"]["weight_bytes"] < by["dense"]["weight_bytes"]
+
+
+def test_text_metrics():
+    assert exact_match(" The Rome.", "rome") == 1.0 and exact_match("Paris", "Rome") == 0.0
+    assert chrf(["le chat dort"], ["le chat dort"]) == 100.0
+    assert 0 < chrf(["le chien dort"], ["le chat dort"]) < 100
+    assert rouge_l("a robot picks the cup", "the robot picks up a cup") > 0.5
+    assert rouge_l("", "x") == 0.0
