@@ -74,7 +74,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     model, _ = load_dense(path, args.dtype, args.device)
     tok = load_tokenizer(path)
     out = Path(args.out) if args.out else default_profiles_dir(manifest.model_id)
-    prof = profile_task(model, tok, manifest, args.task, args.data, args.batch_size, args.max_tokens)
+    prof = profile_task(model, tok, manifest, args.task, args.data, args.batch_size, args.max_tokens,
+                        sensitivity=not args.no_sensitivity)
     saved = prof.save(out / f"{args.task}.safetensors")
     _log(f"[profile] {args.task}: {prof.tokens} tokens -> {saved}")
     return 0
@@ -175,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="profiles folder (default profiles/<model-id>)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--no-sensitivity", action="store_true",
+                   help="skip the per-layer sensitivity (needed by --selection sensitivity)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype")
     p.add_argument("--threads", type=int)

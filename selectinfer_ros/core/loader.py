@@ -17,13 +17,15 @@ from torch import nn
 
 from .architectures import activation_name, architecture_for
 from .pack import FFN_FILE, OTHER_FILE, Manifest, check_ffn_file, neuron_key, read_manifest
-from .profiles import (ProfileCatalog, Selection, neuron_count, select_published, select_random)
+from .profiles import (ProfileCatalog, Selection, neuron_count, select_published, select_random,
+                       select_sensitivity)
 from .progress import progress
 from .safetensors_io import CountingReader, FormatError, read_header
 from .tokenizer import load_tokenizer
 from .selective_mlp import SelectionState, SelectiveMLP
 
 BOUNCE_BYTES = 8 << 20  # bounce buffer for coalesced neuron reads
+SELECTIONS = ("published", "sensitivity", "random")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torch.dtype:
@@ -190,8 +192,11 @@ class SelectiveModel:
         elif self.selection_strategy == "published":
             sel = select_published(self.catalog.get(task).scores, self.catalog.secondary_scores(),
                                    self.load_ratio, self.static_ratio)
+        elif self.selection_strategy == "sensitivity":
+            sel = select_sensitivity(self.catalog.get(task), self.load_ratio, self.static_ratio)
         else:
-            raise ValueError(f"unknown selection strategy {self.selection_strategy!r}")
+            raise ValueError(f"unknown selection strategy {self.selection_strategy!r}; "
+                             f"choose from {', '.join(SELECTIONS)}")
         return self._with_dense_layers(sel)
 
     def _with_dense_layers(self, sel: Selection) -> Selection:
@@ -273,10 +278,16 @@ class SelectiveModel:
 
     # -- runtime knobs -----------------------------------------------------------------------
     def set_compute_ratio(self, phi: float) -> None:
+        """Neurons computed per decode step: phi * I per layer, or, where layers hold different
+        numbers of neurons (per-layer budgets), the same share phi / gamma of each layer's."""
         check_ratios(self.load_ratio, self.static_ratio, phi)
         self.compute_ratio = phi
+        uniform = len({m.n_loaded for m in self.mlps}) == 1
         for mlp in self.mlps:
-            mlp.set_active(neuron_count(phi, self.manifest.intermediate_size))
+            if uniform:
+                mlp.set_active(neuron_count(phi, self.manifest.intermediate_size))
+            else:
+                mlp.set_active(int(mlp.n_loaded * phi / self.load_ratio + 0.5))
 
     def active_neuron_ids(self) -> list[torch.Tensor]:
         """Per layer, the neuron ids computed in decode (after the last prefill's selection)."""

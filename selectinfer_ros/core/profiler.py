@@ -90,14 +90,60 @@ def activation_scores(model: nn.Module, tokenizer, texts: list[str], batch_size:
     return scores.float().cpu(), tokens
 
 
+SENSITIVITY_KEEP = 0.5  # each layer alone is cut to this share of neurons to measure it
+
+
+@torch.inference_mode()
+def layer_sensitivity(model: nn.Module, tokenizer, texts: list[str], scores: torch.Tensor,
+                      max_texts: int = 24, max_tokens: int = 256, desc: str = "sensitivity") -> torch.Tensor:
+    """Per layer: KL(dense || layer alone keeping its top half) of the next-token distribution
+    on ``texts``, divided by the share of the layer's score mass dropped. ``[L]`` float32."""
+    layers = model.model.layers
+    mask: list[torch.Tensor | None] = [None]
+
+    def pre(_mod, args):
+        return (args[0] * mask[0],) if mask[0] is not None else None
+
+    device = next(model.parameters()).device
+    ids = [torch.tensor([tokenizer(t)["input_ids"][:max_tokens]], device=device) for t in texts[:max_texts]]
+    ref = [torch.log_softmax(model(i).logits[0, :-1].float(), -1) for i in ids]
+    n_tok = sum(r.shape[0] for r in ref)
+    out = torch.zeros(len(layers))
+    inter = scores.shape[1]
+    for layer in progress(range(len(layers)), desc=desc, total=len(layers)):
+        keep = torch.topk(scores[layer], int(SENSITIVITY_KEEP * inter)).indices
+        m = torch.zeros(inter, device=device, dtype=next(model.parameters()).dtype)
+        m[keep.to(device)] = 1
+        handle = layers[layer].mlp.down_proj.register_forward_pre_hook(pre)
+        mask[0] = m
+        try:
+            kl = 0.0
+            for i, r in zip(ids, ref):
+                lp = torch.log_softmax(model(i).logits[0, :-1].float(), -1)
+                kl += float((r.exp() * (r - lp)).sum())
+        finally:
+            handle.remove()
+            mask[0] = None
+        dropped = float(1 - scores[layer][keep].sum() / scores[layer].sum().clamp_min(1e-30))
+        out[layer] = (kl / n_tok) / max(dropped, 1e-6)
+    return out
+
+
 def profile_task(model: nn.Module, tokenizer, manifest: Manifest, task: str,
-                 data: list[str | Path], batch_size: int = 8, max_tokens: int = 256) -> Profile:
-    """Profile one task from JSONL files into a :class:`Profile`."""
+                 data: list[str | Path], batch_size: int = 8, max_tokens: int = 256,
+                 sensitivity: bool = True) -> Profile:
+    """Profile one task from JSONL files into a :class:`Profile` (scores, and per-layer
+    sensitivity for the ``sensitivity`` selection strategy)."""
     paths = [Path(p) for p in data]
     texts = [record_text(r) for p in paths for r in read_jsonl(p)]
     scores, tokens = activation_scores(model, tokenizer, texts, batch_size, max_tokens,
                                        desc=f"profile {task}")
-    return Profile(task, manifest.model_id, manifest.fingerprint, scores, tokens, file_sha256(paths))
+    extra = {}
+    if sensitivity:
+        extra["sensitivity"] = layer_sensitivity(model, tokenizer, texts, scores,
+                                                 max_tokens=max_tokens, desc=f"sensitivity {task}")
+    return Profile(task, manifest.model_id, manifest.fingerprint, scores, tokens, file_sha256(paths),
+                   extra)
 
 
 def summarize(profiles: dict[str, Profile], static_ratio: float = 0.3, top: int = 5) -> str:

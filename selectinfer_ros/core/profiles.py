@@ -159,3 +159,39 @@ def select_random(num_layers: int, intermediate: int, load_ratio: float, static_
     n_load = neuron_count(load_ratio, intermediate)
     neurons = [torch.randperm(intermediate, generator=g)[:n_load] for _ in range(num_layers)]
     return Selection(neurons, [neuron_count(static_ratio, intermediate)] * num_layers)
+
+
+SENSITIVITY_FLOOR = 0.45  # every layer keeps at least this share of its neurons
+
+
+def select_sensitivity(profile: Profile, load_ratio: float, static_ratio: float,
+                       floor: float = SENSITIVITY_FLOOR) -> Selection:
+    """Per-layer budgets from measured layer sensitivity, same total as uniform gamma.
+
+    Neurons are ranked across layers by (layer sensitivity) x (score / layer score mass); each
+    layer keeps at least ``floor`` (and at least its base neurons), and the total stays
+    ``round(gamma * I) * L``. Base neurons (the task's top ``delta * I``) come first per layer.
+    """
+    sens = profile.extra.get("sensitivity")
+    if sens is None:
+        raise FormatError(f"profile {profile.task!r} has no per-layer sensitivity; re-run "
+                          f"`selectinfer profile` without --no-sensitivity")
+    scores = profile.scores
+    L, I = scores.shape
+    n_load, n_static = neuron_count(load_ratio, I), neuron_count(static_ratio, I)
+    n_floor = min(n_load, max(n_static, neuron_count(floor, I)))
+    norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-30)
+    key = sens.float().clamp_min(0)[:, None] * norm  # [L, I]
+    order = torch.argsort(norm, dim=1, descending=True)
+    forced = torch.zeros(L, I, dtype=torch.bool)
+    forced.scatter_(1, order[:, :n_floor], True)
+    key = torch.where(forced, torch.full_like(key, float("inf")), key)
+    flat = torch.topk(key.flatten(), n_load * L).indices
+    chosen = torch.zeros(L * I, dtype=torch.bool)
+    chosen[flat] = True
+    chosen = chosen.view(L, I)
+    neurons = []
+    for layer in range(L):
+        ranked = order[layer][chosen[layer][order[layer]]]  # chosen ids, best score first
+        neurons.append(ranked)
+    return Selection(neurons, [n_static] * L)
