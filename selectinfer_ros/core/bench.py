@@ -145,6 +145,8 @@ def _load(subject: Subject, make) -> None:
 
 def build_subjects(args, model_path: Path, profiles: Path | None, log) -> list[Subject]:
     grid = QUICK_GRID if args.quick else GRID
+    if args.grid:
+        grid = [tuple(float(v) for v in g.split(",")) for g in args.grid]
     subjects: list[Subject] = []
     # One-time costs (tokenizer, model code imports) stay out of every configuration's load time.
     tok = load_tokenizer(model_path)
@@ -429,6 +431,7 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--grid", nargs="+", help="gamma,phi pairs (default: 1,1 0.9,0.7 0.7,0.7 0.7,0.5 0.5,0.35)")
     p.add_argument("--no-quant", action="store_true", help="skip int8/int4")
     p.add_argument("--llama-cpp", help="llama.cpp build folder (has llama-bench)")
     p.add_argument("--quick", action="store_true", help="small grid, few tokens (CI)")
