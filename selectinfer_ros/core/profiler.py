@@ -95,9 +95,14 @@ SENSITIVITY_KEEP = 0.5  # each layer alone is cut to this share of neurons to me
 
 @torch.inference_mode()
 def layer_sensitivity(model: nn.Module, tokenizer, texts: list[str], scores: torch.Tensor,
-                      max_texts: int = 24, max_tokens: int = 256, desc: str = "sensitivity") -> torch.Tensor:
+                      max_texts: int = 16, max_tokens: int = 256, top_vocab: int = 32,
+                      desc: str = "sensitivity") -> torch.Tensor:
     """Per layer: KL(dense || layer alone keeping its top half) of the next-token distribution
-    on ``texts``, divided by the share of the layer's score mass dropped. ``[L]`` float32."""
+    on ``texts``, divided by the share of the layer's score mass dropped. ``[L]`` float32.
+
+    The KL runs over the tokens that are among the dense model's ``top_vocab`` most likely at
+    some position (the output layer over the whole vocabulary would cost more than the rest).
+    """
     layers = model.model.layers
     mask: list[torch.Tensor | None] = [None]
 
@@ -106,21 +111,26 @@ def layer_sensitivity(model: nn.Module, tokenizer, texts: list[str], scores: tor
 
     device = next(model.parameters()).device
     ids = [torch.tensor([tokenizer(t)["input_ids"][:max_tokens]], device=device) for t in texts[:max_texts]]
-    ref = [torch.log_softmax(model(i).logits[0, :-1].float(), -1) for i in ids]
+    vocab = torch.unique(torch.cat([torch.topk(model(i).logits[0, :-1].float(), top_vocab, -1).indices.flatten()
+                                    for i in ids]))
+    head = model.get_output_embeddings().weight[vocab]  # [V', H]
+
+    def log_probs(i: torch.Tensor) -> torch.Tensor:
+        hidden = model.model(i).last_hidden_state[0, :-1]  # [T-1, H]
+        return torch.log_softmax((hidden @ head.t()).float(), -1)
+
+    ref = [log_probs(i) for i in ids]
     n_tok = sum(r.shape[0] for r in ref)
     out = torch.zeros(len(layers))
     inter = scores.shape[1]
     for layer in progress(range(len(layers)), desc=desc, total=len(layers)):
         keep = torch.topk(scores[layer], int(SENSITIVITY_KEEP * inter)).indices
-        m = torch.zeros(inter, device=device, dtype=next(model.parameters()).dtype)
+        m = torch.zeros(inter, device=device, dtype=head.dtype)
         m[keep.to(device)] = 1
         handle = layers[layer].mlp.down_proj.register_forward_pre_hook(pre)
         mask[0] = m
         try:
-            kl = 0.0
-            for i, r in zip(ids, ref):
-                lp = torch.log_softmax(model(i).logits[0, :-1].float(), -1)
-                kl += float((r.exp() * (r - lp)).sum())
+            kl = sum(float((r.exp() * (r - log_probs(i))).sum()) for i, r in zip(ids, ref))
         finally:
             handle.remove()
             mask[0] = None
