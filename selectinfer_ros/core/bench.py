@@ -61,19 +61,20 @@ def _reset_peak() -> int:
 
 
 def _unique_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights (parameters and weight buffers, shared ones once; index
+    buffers such as the slot ids are not weights)."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen and t.is_floating_point() or t.dtype in (torch.int8, torch.int32, torch.uint8):
-            if t.data_ptr() in seen:
-                continue
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
+        if t.dtype in (torch.int64, torch.bool) or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
     return total
 
 
-def bytes_per_decode_token(model: nn.Module, selective: SelectiveModel | None, phi: float) -> int:
+def bytes_per_decode_token(model: nn.Module, selective: SelectiveModel | None) -> int:
     """Weight bytes a decode step reads: everything but the embedding table (unless tied to the
-    output layer) and, for SelectInfer, the loaded-but-inactive neurons."""
+    output layer) and, for SelectInfer, the loaded neurons outside the active prefix."""
     total = _unique_bytes(model)
     emb = model.get_input_embeddings().weight
     head = getattr(model, "lm_head", None)
@@ -284,11 +285,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     for s in subjects:
         if s.method == "selectinfer":
             sm = s.engine.selective
-            s.bytes_per_token = bytes_per_decode_token(s.model, sm, s.compute_ratio)
+            sm.set_compute_ratio(s.compute_ratio)
+            s.bytes_per_token = bytes_per_decode_token(s.model, sm)
             if s.compute_ratio < s.load_ratio:
                 _timed_select(sm, s.selection)
         else:
-            s.bytes_per_token = bytes_per_decode_token(s.model, None, 1.0)
+            s.bytes_per_token = bytes_per_decode_token(s.model, None)
     for r in range(args.repeats):
         for s in subjects:
             if s.method == "selectinfer":
