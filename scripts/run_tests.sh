@@ -21,7 +21,7 @@ echo "[tests] ROS_DOMAIN_ID=$ROS_DOMAIN_ID ROS_AUTOMATIC_DISCOVERY_RANGE=$ROS_AU
 
 if [ "$#" -eq 0 ]; then set -- test; fi
 rc=0
-python -m pytest -q "$@" || rc=$?
+python -m pytest -q --durations=12 "$@" || rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "[tests] FAILED: pytest collected no tests (exit 5)" >&2
   exit 1
