@@ -183,6 +183,7 @@ class LLMGraph:
             m_overrides = [Parameter(k, value=v) for k, v in manager_params.items()]
             self.manager = spinner.add_node(ProfileManager(
                 namespace=namespace, context=context, parameter_overrides=m_overrides))
+        self._spinner = spinner
         self.client_node = spinner.add_node(Node('test_client', namespace=namespace,
                                                  context=context))
         self.group = ReentrantCallbackGroup()
@@ -209,13 +210,23 @@ class LLMGraph:
             run.wait(timeout)
         return run
 
-    def new_action_client(self):
+    def new_action_clients(self, count):
+        """``count`` Generate clients on a node of their own, created before that node joins the
+        spinning executor (rclpy's ActionClient registers itself with its node before its lock
+        exists, so creating one on a node being spun can crash the executor thread)."""
+        import uuid
+
         from rclpy.action import ActionClient
+        from rclpy.node import Node
 
         from selectinfer_msgs.action import Generate
-        client = ActionClient(self.client_node, Generate, 'generate', callback_group=self.group)
-        self._clients.append(client)
-        return client
+        node = Node(f'test_clients_{uuid.uuid4().hex[:6]}', namespace=self.client_node.get_namespace(),
+                    context=self.client_node.context)
+        clients = [ActionClient(node, Generate, 'generate', callback_group=self.group)
+                   for _ in range(count)]
+        self._clients.extend(clients)
+        self._spinner.add_node(node)
+        return clients
 
     def call(self, srv_type, name, request, timeout=30.0):
         client = self.client_node.create_client(srv_type, name, callback_group=self.group)

@@ -119,12 +119,12 @@ def test_cancel_while_queued_ends_canceled_without_running(llm_graph):
 
 def test_eight_clients_at_once_with_queue_of_four(llm_graph):
     g = llm_graph(queue_length=4).ready()
-    clients = [g.new_action_client() for _ in range(8)]
+    clients = g.new_action_clients(8)
     for c in clients:
         assert c.wait_for_server(timeout_sec=10.0)
     futures = [c.send_goal_async(g.goal(f'w{10 + i} w7', max_new_tokens=120)) for i, c in
                enumerate(clients)]
-    deadline = time.monotonic() + 20.0
+    deadline = time.monotonic() + 60.0
     while not all(f.done() for f in futures):
         assert time.monotonic() < deadline, 'a goal got no response'
         time.sleep(0.01)
