@@ -10,11 +10,10 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from ..core.loader import check_ratios
+from ..core.loader import SELECTIONS, check_ratios
 from ..core.runtime import DEFAULT_STATIC_RATIO
 
 DTYPES = ("", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16", "auto")
-SELECTIONS = ("published", "random")
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,7 @@ INFERENCE_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("device", "cpu", str, "torch device: cpu, cuda, cuda:N", check=_device),
     ParamSpec("dtype", "", str, "float32, float16 or bfloat16; empty = the packed dtype", check=_dtype),
     ParamSpec("dense_layers", 0, int, "first/last layers kept dense", check=_at_least(0)),
-    ParamSpec("selection", "published", str, "neuron selection: published or random",
+    ParamSpec("selection", "published", str, "neuron selection: " + ", ".join(SELECTIONS),
               check=_selection),
     ParamSpec("memory_budget_mb", 0.0, float,
               "MiB the weights may take (chooses load_ratio); 0 = use load_ratio",
