@@ -1,6 +1,6 @@
 """Weight-only int8 / int4 quantization with PyTorch's own CPU kernels (the quantization baseline).
 
-int8: per output channel symmetric scales, ``torch._weight_int8pack_mm``.
+int8: per output channel symmetric scales, ``torch._weight_int8pack_mm`` (bf16 activations).
 int4: per group (128) asymmetric, ``aten._weight_int4pack_mm_for_cpu`` (as gpt-fast does).
 Every ``nn.Linear`` of the model is replaced (attention, FFN and the output layer).
 """
@@ -16,13 +16,14 @@ class Int8Linear(nn.Module):
         w = linear.weight.detach().float()  # [N, K]
         scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
         self.register_buffer("weight", torch.round(w / scales[:, None]).to(torch.int8))
-        self.register_buffer("scales", scales.to(linear.weight.dtype))
+        # The kernel's float32 path ran 11x slower than its bfloat16 one here: compute in bf16.
+        self.register_buffer("scales", scales.to(torch.bfloat16))
         self.out_features = w.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight, self.scales)
-        return y.view(*shape[:-1], self.out_features)
+        shape, dtype = x.shape, x.dtype
+        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight, self.scales)
+        return y.to(dtype).view(*shape[:-1], self.out_features)
 
 
 class Int4Linear(nn.Module):
