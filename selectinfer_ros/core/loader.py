@@ -25,7 +25,7 @@ from .tokenizer import load_tokenizer
 from .selective_mlp import SelectionState, SelectiveMLP
 
 BOUNCE_BYTES = 8 << 20  # bounce buffer for coalesced neuron reads
-SELECTIONS = ("published", "sensitivity", "random")
+SELECTIONS = ("auto", "published", "sensitivity", "random")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torch.dtype:
@@ -132,7 +132,7 @@ class SelectiveModel:
                  task: str | None = None, load_ratio: float = 1.0, static_ratio: float | None = None,
                  compute_ratio: float | None = None, alpha: float = 0.2,
                  device: str = "cpu", dtype: str | torch.dtype | None = None,
-                 dense_layers: int = 0, selection: str = "published",
+                 dense_layers: int = 0, selection: str = "auto",
                  memory_budget_bytes: int | None = None, log: Callable[[str], None] = lambda s: None):
         t0 = time.perf_counter()
         self.path = Path(packed_dir)
@@ -140,10 +140,16 @@ class SelectiveModel:
         self.ffn_tensors = check_ffn_file(self.manifest)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.manifest.dtype)
-        self.selection_strategy = selection
         self.dense_layers = dense_layers
         self.log = log
         self.catalog = ProfileCatalog(profiles_dir, self.manifest) if profiles_dir else None
+        if selection == "auto":  # per-layer budgets when the profiles carry the measurement
+            has = self.catalog is not None and all("sensitivity" in p.extra
+                                                   for p in self.catalog.profiles.values())
+            selection = "sensitivity" if has else "published"
+        if selection not in SELECTIONS:
+            raise ValueError(f"unknown selection strategy {selection!r}; choose from {', '.join(SELECTIONS)}")
+        self.selection_strategy = selection
         if memory_budget_bytes is not None:
             load_ratio = self.load_ratio_for_budget(memory_budget_bytes)
             log(f"[load] memory budget {memory_budget_bytes / 2**30:.2f} GiB -> load_ratio {load_ratio:.3f}")
@@ -239,8 +245,8 @@ class SelectiveModel:
         """In place: read the neurons of ``ids`` not resident into the slots of those no longer
         selected, then swap the base neurons (``ids[:n_static]``) into the static prefix."""
         mlp = self.mlps[layer]
-        if mlp.n_loaded != ids.numel():
-            return self._load_layer(reader, layer, ids, n_static)
+        if mlp.n_loaded != ids.numel():  # per-layer budgets differ between tasks: resize
+            return self._resize_layer(reader, layer, ids, n_static)
         inter = self.manifest.intermediate_size
         current = mlp.slot_ids.cpu()
         wanted = torch.zeros(inter, dtype=torch.bool)
@@ -255,6 +261,25 @@ class SelectiveModel:
         where[mlp.slot_ids.cpu()] = torch.arange(mlp.n_loaded)
         mlp.n_static = n_static
         mlp._swap_in(where[ids[:n_static]].to(self.device), 0, n_static)
+        return got
+
+    def _resize_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor, n_static: int) -> int:
+        """New buffers of ``len(ids)`` slots: resident neurons copied, the others read (the old
+        buffers go once this returns, so the transient extra memory is one layer)."""
+        mlp = self.mlps[layer]
+        H, k = self.manifest.hidden_size, ids.numel()
+        where = torch.full((self.manifest.intermediate_size,), -1, dtype=torch.long)
+        where[mlp.slot_ids.cpu()] = torch.arange(mlp.n_loaded)
+        old = where[ids]
+        hit = old >= 0
+        gu = torch.empty(k, 2, H, dtype=self.dtype, device=self.device)
+        down = torch.empty(H, k, dtype=self.dtype, device=self.device)
+        pos, src = torch.nonzero(hit).flatten().to(self.device), old[hit].to(self.device)
+        gu.index_copy_(0, pos, mlp.gu.index_select(0, src))
+        down.index_copy_(1, pos, mlp.down.index_select(1, src))
+        todo = torch.nonzero(~hit).flatten()
+        got = self._read_into(reader, layer, ids[todo], todo, gu, down)
+        mlp.set_slots(gu, down, ids.to(self.device), n_static)
         return got
 
     def switch_task(self, task: str) -> SwitchReport:

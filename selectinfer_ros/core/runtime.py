@@ -34,7 +34,7 @@ class RuntimeOptions:
     device: str = "cpu"
     dtype: str | None = None
     dense_layers: int = 0
-    selection: str = "published"
+    selection: str = "auto"  # sensitivity when the profiles carry it, else published
     memory_budget_bytes: int | None = None
     context_limit: int | None = None
     dense: bool = False  # the unmodified transformers model, for comparison

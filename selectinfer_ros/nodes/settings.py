@@ -91,7 +91,7 @@ INFERENCE_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("device", "cpu", str, "torch device: cpu, cuda, cuda:N", check=_device),
     ParamSpec("dtype", "", str, "float32, float16 or bfloat16; empty = the packed dtype", check=_dtype),
     ParamSpec("dense_layers", 0, int, "first/last layers kept dense", check=_at_least(0)),
-    ParamSpec("selection", "published", str, "neuron selection: " + ", ".join(SELECTIONS),
+    ParamSpec("selection", "auto", str, "neuron selection: " + ", ".join(SELECTIONS),
               check=_selection),
     ParamSpec("memory_budget_mb", 0.0, float,
               "MiB the weights may take (chooses load_ratio); 0 = use load_ratio",
@@ -165,7 +165,7 @@ class InferenceSettings:
     device: str = "cpu"
     dtype: str = ""
     dense_layers: int = 0
-    selection: str = "published"
+    selection: str = "auto"
     memory_budget_mb: float = 0.0
     context_limit: int = 0
     max_new_tokens: int = 128

@@ -62,3 +62,31 @@ def test_per_layer_budgets_scale_compute_per_layer(tiny_models, tiny_profiles, t
         assert m.n_active == int(m.n_loaded * 0.5 / 0.7 + 0.5)
     total = sm.weight_bytes()["ffn"]
     assert total == sum(loaded) * 3 * 64 * 4
+
+
+def test_switch_between_per_layer_budgets_reads_only_new_neurons(tiny_models, tiny_profiles, tmp_path):
+    import shutil
+    from selectinfer_ros.core.loader import SelectiveModel, load_dense
+    from selectinfer_ros.core.pack import read_manifest
+    from selectinfer_ros.core.profiles import load_profile
+    _, packed = tiny_models["tiny-gemma3"]
+    d = tmp_path / "p"
+    shutil.copytree(tiny_profiles["tiny-gemma3"], d)
+    for task, sens in (("alpha", [3.0, 0.2, 1.0, 0.5]), ("beta", [0.2, 3.0, 0.5, 1.0])):
+        prof = load_profile(d / f"{task}.safetensors")
+        prof.extra["sensitivity"] = torch.tensor(sens)
+        prof.save(d / f"{task}.safetensors")
+    sm = SelectiveModel(packed, d, "alpha", load_ratio=0.6, static_ratio=0.2)  # auto -> sensitivity
+    assert sm.selection_strategy == "sensitivity"
+    before = [set(m.slot_ids.tolist()) for m in sm.mlps]
+    report = sm.switch_task("beta")
+    fresh = SelectiveModel(packed, d, "beta", load_ratio=0.6, static_ratio=0.2)
+    after = [set(m.slot_ids.tolist()) for m in fresh.mlps]
+    assert [m.n_loaded for m in sm.mlps] == [m.n_loaded for m in fresh.mlps] != [len(b) for b in before]
+    added = sum(len(a - b) for a, b in zip(after, before))
+    assert report.neurons_read == added
+    assert report.bytes_read == added * read_manifest(packed).record_bytes
+    dense, _ = load_dense(packed)
+    for mlp, blk in zip(sm.mlps, dense.model.layers):
+        torch.testing.assert_close(mlp.gu[:, 1], blk.mlp.up_proj.weight[mlp.slot_ids])
+        torch.testing.assert_close(mlp.down, blk.mlp.down_proj.weight[:, mlp.slot_ids])
