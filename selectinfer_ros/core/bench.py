@@ -110,10 +110,14 @@ class PhaseTimer:
         self._hook(model.lm_head, "output")
 
     def _hook(self, mod: nn.Module, key: str) -> None:
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
         def pre(m, *_):
+            sync()  # on CUDA, time the kernels, not their launch
             self._t[id(m)] = time.perf_counter()
 
         def post(m, *_):
+            sync()
             self.totals[key] += time.perf_counter() - self._t.pop(id(m))
         self.handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
 
