@@ -18,14 +18,14 @@ from torch import nn
 from .architectures import activation_name, architecture_for
 from .pack import FFN_FILE, OTHER_FILE, Manifest, check_ffn_file, neuron_key, read_manifest
 from .profiles import (ProfileCatalog, Selection, neuron_count, select_published, select_random,
-                       select_sensitivity)
+                       select_sensitivity, select_shared_sensitivity)
 from .progress import progress
 from .safetensors_io import CountingReader, FormatError, read_header
 from .tokenizer import load_tokenizer
 from .selective_mlp import SelectionState, SelectiveMLP
 
 BOUNCE_BYTES = 8 << 20  # bounce buffer for coalesced neuron reads
-SELECTIONS = ("auto", "published", "sensitivity", "random")
+SELECTIONS = ("auto", "published", "sensitivity", "shared-sensitivity", "random")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torch.dtype:
@@ -200,6 +200,9 @@ class SelectiveModel:
                                    self.load_ratio, self.static_ratio)
         elif self.selection_strategy == "sensitivity":
             sel = select_sensitivity(self.catalog.get(task), self.load_ratio, self.static_ratio)
+        elif self.selection_strategy == "shared-sensitivity":
+            sel = select_shared_sensitivity(self.catalog.get(task), list(self.catalog.profiles.values()),
+                                            self.load_ratio, self.static_ratio)
         else:
             raise ValueError(f"unknown selection strategy {self.selection_strategy!r}; "
                              f"choose from {', '.join(SELECTIONS)}")

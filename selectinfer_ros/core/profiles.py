@@ -164,34 +164,58 @@ def select_random(num_layers: int, intermediate: int, load_ratio: float, static_
 SENSITIVITY_FLOOR = 0.45  # every layer keeps at least this share of its neurons
 
 
-def select_sensitivity(profile: Profile, load_ratio: float, static_ratio: float,
-                       floor: float = SENSITIVITY_FLOOR) -> Selection:
-    """Per-layer budgets from measured layer sensitivity, same total as uniform gamma.
+def sensitivity_budgets(sensitivity: torch.Tensor, scores: torch.Tensor, load_ratio: float,
+                        floor: float, n_static: int) -> list[int]:
+    """Neurons per layer: rank all neurons by (layer sensitivity) x (score / layer score mass),
+    each layer keeping at least ``floor`` of its neurons; the total is ``round(gamma*I) * L``."""
+    L, I = scores.shape
+    n_load = neuron_count(load_ratio, I)
+    n_floor = min(n_load, max(n_static, neuron_count(floor, I)))
+    norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-30)
+    key = sensitivity.float().clamp_min(0)[:, None] * norm  # [L, I]
+    forced = torch.zeros(L, I, dtype=torch.bool)
+    forced.scatter_(1, torch.topk(norm, n_floor, dim=1).indices, True)
+    key = torch.where(forced, torch.full_like(key, float("inf")), key)
+    chosen = torch.zeros(L * I, dtype=torch.bool)
+    chosen[torch.topk(key.flatten(), n_load * L).indices] = True
+    return chosen.view(L, I).sum(dim=1).tolist()
 
-    Neurons are ranked across layers by (layer sensitivity) x (score / layer score mass); each
-    layer keeps at least ``floor`` (and at least its base neurons), and the total stays
-    ``round(gamma * I) * L``. Base neurons (the task's top ``delta * I``) come first per layer.
-    """
+
+def _require_sensitivity(profile: Profile) -> torch.Tensor:
     sens = profile.extra.get("sensitivity")
     if sens is None:
         raise FormatError(f"profile {profile.task!r} has no per-layer sensitivity; re-run "
                           f"`selectinfer profile` without --no-sensitivity")
-    scores = profile.scores
-    L, I = scores.shape
-    n_load, n_static = neuron_count(load_ratio, I), neuron_count(static_ratio, I)
-    n_floor = min(n_load, max(n_static, neuron_count(floor, I)))
-    norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-30)
-    key = sens.float().clamp_min(0)[:, None] * norm  # [L, I]
-    order = torch.argsort(norm, dim=1, descending=True)
-    forced = torch.zeros(L, I, dtype=torch.bool)
-    forced.scatter_(1, order[:, :n_floor], True)
-    key = torch.where(forced, torch.full_like(key, float("inf")), key)
-    flat = torch.topk(key.flatten(), n_load * L).indices
-    chosen = torch.zeros(L * I, dtype=torch.bool)
-    chosen[flat] = True
-    chosen = chosen.view(L, I)
+    return sens
+
+
+def select_sensitivity(profile: Profile, load_ratio: float, static_ratio: float,
+                       floor: float = SENSITIVITY_FLOOR) -> Selection:
+    """Per-layer budgets from the task's measured layer sensitivity, same total as uniform gamma;
+    each layer keeps its top neurons by the task's own scores (base neurons first)."""
+    sens = _require_sensitivity(profile)
+    L, I = profile.scores.shape
+    n_static = neuron_count(static_ratio, I)
+    budgets = sensitivity_budgets(sens, profile.scores, load_ratio, floor, n_static)
+    neurons = [torch.topk(profile.scores[layer], budgets[layer]).indices for layer in range(L)]
+    return Selection(neurons, [n_static] * L)
+
+
+def select_shared_sensitivity(profile: Profile, catalog_profiles: list[Profile], load_ratio: float,
+                              static_ratio: float, floor: float = SENSITIVITY_FLOOR) -> Selection:
+    """Per-layer budgets from the sensitivity averaged over all tasks and the fused scores, so
+    every task gets the same budgets and secondary neurons: only base neurons differ, and a task
+    switch reads only those. Per layer: the task's base neurons, then fused secondary ones."""
+    sens = torch.stack([_require_sensitivity(p) / _require_sensitivity(p).mean()
+                        for p in catalog_profiles]).mean(0)
+    fused = fuse_scores([p.scores for p in catalog_profiles])
+    L, I = fused.shape
+    n_static = neuron_count(static_ratio, I)
+    budgets = sensitivity_budgets(sens, fused, load_ratio, floor, n_static)
     neurons = []
     for layer in range(L):
-        ranked = order[layer][chosen[layer][order[layer]]]  # chosen ids, best score first
-        neurons.append(ranked)
+        base = torch.topk(profile.scores[layer], min(n_static, budgets[layer])).indices
+        rest = fused[layer].clone()
+        rest[base] = -1.0
+        neurons.append(torch.cat([base, torch.topk(rest, budgets[layer] - len(base)).indices]))
     return Selection(neurons, [n_static] * L)

@@ -90,3 +90,19 @@ def test_switch_between_per_layer_budgets_reads_only_new_neurons(tiny_models, ti
     for mlp, blk in zip(sm.mlps, dense.model.layers):
         torch.testing.assert_close(mlp.gu[:, 1], blk.mlp.up_proj.weight[mlp.slot_ids])
         torch.testing.assert_close(mlp.down, blk.mlp.down_proj.weight[:, mlp.slot_ids])
+
+
+def test_shared_sensitivity_gives_every_task_the_same_budgets_and_secondary():
+    from selectinfer_ros.core.profiles import select_shared_sensitivity
+    a, b = _profile(sens=[0.1, 5.0, 1.0, 0.1], seed=3), _profile(sens=[0.3, 2.0, 4.0, 0.2], seed=4)
+    sa = select_shared_sensitivity(a, [a, b], 0.7, 0.3, floor=0.45)
+    sb = select_shared_sensitivity(b, [a, b], 0.7, 0.3, floor=0.45)
+    assert [len(n) for n in sa.neurons] == [len(n) for n in sb.neurons]
+    assert sum(len(n) for n in sa.neurons) == neuron_count(0.7, 100) * 4
+    assert len({len(n) for n in sa.neurons}) > 1  # budgets follow sensitivity
+    for layer in range(4):
+        assert set(sa.neurons[layer][:30].tolist()) == set(torch.topk(a.scores[layer], 30).indices.tolist())
+        # a switch from a to b reads at most the base neurons b adds and as many displaced ones
+        base_a, base_b = set(sa.neurons[layer][:30].tolist()), set(sb.neurons[layer][:30].tolist())
+        new = set(sb.neurons[layer].tolist()) - set(sa.neurons[layer].tolist())
+        assert len(new) <= 2 * len(base_b - base_a)
