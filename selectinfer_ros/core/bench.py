@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .engine import Engine, GenerationConfig
-from .loader import SelectiveModel, _skeleton, load_dense, resolve_dtype
+from .loader import SelectiveModel, build_skeleton, load_dense, resolve_dtype
 from .metrics import peak_rss_bytes, process_rss_bytes
 from .pack import read_manifest
 from .tokenizer import load_tokenizer
@@ -155,7 +155,7 @@ def build_subjects(args, model_path: Path, profiles: Path | None, log) -> list[S
     subjects: list[Subject] = []
     # One-time costs (tokenizer, model code imports) stay out of every configuration's load time.
     tok = load_tokenizer(model_path)
-    _skeleton(model_path, resolve_dtype(args.dtype, read_manifest(model_path).dtype))
+    build_skeleton(model_path, resolve_dtype(args.dtype, read_manifest(model_path).dtype))
 
     def make_dense(s: Subject) -> None:
         model, s.bytes_read = load_dense(model_path, args.dtype, args.device)
@@ -425,7 +425,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from .cli import add_model_args  # noqa: F401 (same option names)
     p = sub.add_parser("bench", help="speed and memory of dense, SelectInfer and quantized, interleaved")
     p.add_argument("--model", help="packed model folder (default: embedded model)")
     p.add_argument("--preset", help="random-weight model with a real config (llama-3.2-1b, ...)")

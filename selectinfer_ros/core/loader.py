@@ -40,7 +40,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torc
     return names[dtype]
 
 
-def _skeleton(path: Path, dtype: torch.dtype):
+def build_skeleton(path: Path, dtype: torch.dtype):
     """The transformers model of a packed folder on the meta device, and its config."""
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(path)
@@ -163,7 +163,7 @@ class SelectiveModel:
         if self.catalog is not None:
             self.catalog.get(self.task)
 
-        self.model, self.config = _skeleton(self.path, self.dtype)
+        self.model, self.config = build_skeleton(self.path, self.dtype)
         self.state = SelectionState()
         self.state.alpha = alpha
         act = activation_name(self.config)
@@ -375,7 +375,7 @@ def load_dense(packed_dir: str | Path, dtype: str | torch.dtype | None = None,
     tensors = check_ffn_file(m)
     dt = resolve_dtype(dtype, m.dtype)
     dev = torch.device(device)
-    model, config = _skeleton(path, dt)
+    model, config = build_skeleton(path, dt)
     arch = architecture_for(config)
     with CountingReader(path / OTHER_FILE) as r:
         _load_other(model, config, path, dt, dev, r, m)

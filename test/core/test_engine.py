@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from selectinfer_ros.core.engine import ContextLengthError, Engine, GenerationConfig
 from selectinfer_ros.core.loader import SelectiveModel
