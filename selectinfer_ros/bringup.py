@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import rclpy
+from rclpy.action import ActionClient
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.node import Node
 from rclpy.parameter import Parameter
@@ -59,6 +60,8 @@ class Bringup:
     def __init__(self, params_file: str | Path | None = None, namespace: str = "llm",
                  overrides: dict | None = None, ros_args: list[str] | None = None,
                  num_threads: int = 8):
+        from selectinfer_msgs.action import Generate
+
         from .nodes.inference_node import InferenceNode
         from .nodes.profile_manager import ProfileManager
         args = ["selectinfer_bringup", "--ros-args"]
@@ -71,13 +74,16 @@ class Bringup:
         node_params = [Parameter(k, value=v) for k, v in overrides.items()]
         manager_params = [Parameter(k, value=v) for k, v in overrides.items()
                           if k in ("model", "profiles", "task")]
-        self.inference = self.manager = self.helper = None
+        self.inference = self.manager = self.helper = self.generate_client = None
         try:
             self.inference = InferenceNode(namespace=namespace, context=self.context,
                                            parameter_overrides=node_params)
             self.manager = ProfileManager(namespace=namespace, context=self.context,
                                           parameter_overrides=manager_params)
             self.helper = Node("selectinfer_bringup", namespace=namespace, context=self.context)
+            # Made before the helper spins (rclpy's ActionClient is not safe to create on a
+            # node being spun: it registers itself before its lock exists).
+            self.generate_client = ActionClient(self.helper, Generate, "generate")
         except Exception:
             self._destroy_nodes()
             rclpy.shutdown(context=self.context)
@@ -127,6 +133,9 @@ class Bringup:
             raise RuntimeError(f"profile_manager refused to activate ({reason})")
 
     def _destroy_nodes(self) -> None:
+        if self.generate_client is not None:
+            self.generate_client.destroy()
+            self.generate_client = None
         for node in (self.helper, self.manager, self.inference):
             if node is not None:
                 node.destroy_node()

@@ -28,7 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("SELECTINFER_QUIET", "1")
     from action_msgs.msg import GoalStatus
     from diagnostic_msgs.msg import DiagnosticArray
-    from rclpy.action import ActionClient
 
     from selectinfer_msgs.action import Generate
     from selectinfer_msgs.srv import SwitchProfile
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         client_node = bringup.helper
 
         # ---- a Generate goal, streamed -------------------------------------------------------
-        action = ActionClient(client_node, Generate, "generate")
+        action = bringup.generate_client
         if not action.wait_for_server(timeout_sec=10.0):
             raise RuntimeError("generate action server not found")
         task = rt.task
@@ -134,7 +133,6 @@ def main(argv: list[str] | None = None) -> int:
         client_node.destroy_subscription(sub)
         for line in format_array(got[0]).splitlines():
             say("      " + line)
-        action.destroy()
         say(f"== done in {time.perf_counter() - t0:.1f} s; shutting down ==")
         return 0
     except (RuntimeError, TimeoutError) as e:

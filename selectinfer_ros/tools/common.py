@@ -33,9 +33,13 @@ def ns_name(namespace: str, name: str) -> str:
 class RosClient:
     """``with RosClient('name') as c: ...``: a node spun by a background executor thread."""
 
-    def __init__(self, name: str, args: list[str] | None = None):
+    def __init__(self, name: str, args: list[str] | None = None, before_spin=None):
+        """``before_spin(node)`` runs before the node is spun (its result is ``self.prepared``):
+        create action clients there, since rclpy's ActionClient registers itself with its node
+        before its lock exists and a spinning executor may touch it in between."""
         self.context = init_context(args)
         self.node = Node(f"{name}_{os.getpid()}", context=self.context)
+        self.prepared = before_spin(self.node) if before_spin is not None else None
         self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
         self.executor.add_node(self.node)
         self._thread = threading.Thread(target=self._spin, daemon=True)

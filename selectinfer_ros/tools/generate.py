@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     from selectinfer_msgs.action import Generate
     args = parser().parse_args(argv)
     out = sys.stdout
-    with RosClient("selectinfer_generate") as c:
-        name = ns_name(args.namespace, "generate")
-        client = ActionClient(c.node, Generate, name)
+    name = ns_name(args.namespace, "generate")
+    with RosClient("selectinfer_generate", before_spin=lambda n: ActionClient(n, Generate, name)) as c:
+        client = c.prepared
         if not client.wait_for_server(timeout_sec=args.server_timeout):
             print(f"no action server {name} (is selectinfer_node running on this "
                   f"ROS_DOMAIN_ID?)", file=sys.stderr)

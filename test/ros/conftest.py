@@ -184,11 +184,13 @@ class LLMGraph:
             self.manager = spinner.add_node(ProfileManager(
                 namespace=namespace, context=context, parameter_overrides=m_overrides))
         self._spinner = spinner
-        self.client_node = spinner.add_node(Node('test_client', namespace=namespace,
-                                                 context=context))
+        self.client_node = Node('test_client', namespace=namespace, context=context)
         self.group = ReentrantCallbackGroup()
+        # Before the node joins the spinning executor: rclpy's ActionClient registers itself with
+        # its node before its lock exists, and a spinning executor may touch it in between.
         self.action = ActionClient(self.client_node, Generate, 'generate',
                                    callback_group=self.group)
+        spinner.add_node(self.client_node)
         self._clients = []
 
     def ready(self, timeout=20.0):

@@ -88,11 +88,12 @@ def action_pair(spinning_executor, wait_until):
     context = spinning_executor.executor.context
     server_node = spinning_executor.add_node(
         Node('generate_server', context=context))
-    client_node = spinning_executor.add_node(
-        Node('generate_client', context=context))
     server = StandInGenerateServer(server_node, step_s=0.02)
+    client_node = Node('generate_client', context=context)
+    # before the node spins: rclpy's ActionClient registers itself before its lock exists
     client = ActionClient(client_node, Generate, ACTION_NAME,
                           callback_group=ReentrantCallbackGroup())
+    spinning_executor.add_node(client_node)
     assert client.wait_for_server(timeout_sec=10.0), 'action server not discovered'
     try:
         yield server, client
