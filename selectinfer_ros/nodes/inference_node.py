@@ -597,16 +597,21 @@ def spin_node(node, num_threads: int = 6) -> None:
             rclpy.shutdown(context=node.context)
 
 
-def main(args: list[str] | None = None) -> int:
+def run_node(make, name: str, args: list[str] | None = None, num_threads: int = 6) -> int:
+    """Console-script body: init, build the node (a refused parameter exits 2 with the reason), spin."""
     rclpy.init(args=args)
     try:
-        node = InferenceNode()
+        node = make()
     except ParamError as e:
-        print(f"selectinfer_node: {e}", file=sys.stderr)
+        print(f"{name}: {e}", file=sys.stderr)
         rclpy.shutdown()
         return 2
-    spin_node(node)
+    spin_node(node, num_threads=num_threads)
     return 0
+
+
+def main(args: list[str] | None = None) -> int:
+    return run_node(InferenceNode, "selectinfer_node", args)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import sys
 import threading
 from pathlib import Path
 
-import rclpy
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
@@ -212,16 +211,8 @@ class ProfileManager(LifecycleNode):
 
 
 def main(args: list[str] | None = None) -> int:
-    from .inference_node import spin_node
-    rclpy.init(args=args)
-    try:
-        node = ProfileManager()
-    except ParamError as e:
-        print(f"profile_manager: {e}", file=sys.stderr)
-        rclpy.shutdown()
-        return 2
-    spin_node(node, num_threads=4)
-    return 0
+    from .inference_node import run_node
+    return run_node(ProfileManager, "profile_manager", args, num_threads=4)
 
 
 if __name__ == "__main__":
