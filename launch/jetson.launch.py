@@ -10,9 +10,11 @@ Parameters come from ``params_file`` (default: config/jetson_orin_nano.yaml); a 
 left empty keeps the file's value, a given one overrides it for both nodes. With ``device:=cpu``
 and no ``dtype``, dtype becomes float32 (float16 matmuls are slow on CPUs).
 
-The profile manager is configured by a ChangeState launch event and activated by another one
-when it reaches ``inactive`` (OnStateTransition). Without launch installed, the same is done by
-``python -m selectinfer_ros.bringup --params <yaml>``.
+Both nodes are lifecycle nodes, brought up in order by ChangeState events chained with
+OnStateTransition handlers: selectinfer_node configure (loads the model; a first run prepares
+the embedded one) -> activate (the generate action server appears only now, so a client whose
+``wait_for_server()`` returns is served) -> profile_manager configure -> activate. Without
+launch installed, ``python -m selectinfer_ros.bringup --params <yaml>`` does the same.
 """
 import os
 
@@ -21,7 +23,7 @@ from launch.actions import (DeclareLaunchArgument, EmitEvent, LogInfo, OpaqueFun
                             RegisterEventHandler)
 from launch.events import matches_action
 from launch.substitutions import LaunchConfiguration
-from launch_ros.actions import LifecycleNode, Node
+from launch_ros.actions import LifecycleNode
 from launch_ros.event_handlers import OnStateTransition
 from launch_ros.events.lifecycle import ChangeState
 from lifecycle_msgs.msg import Transition
@@ -71,7 +73,7 @@ def _launch_setup(context, *args, **kwargs):
     overrides = _overrides(context)
     manager_overrides = {k: v for k, v in overrides.items() if k in ('model', 'task')}
 
-    inference = Node(
+    inference = LifecycleNode(
         package=PACKAGE, executable='selectinfer_node', name='selectinfer_node',
         namespace=namespace, output='screen', emulate_tty=True,
         parameters=[params_file, overrides])
@@ -80,24 +82,27 @@ def _launch_setup(context, *args, **kwargs):
         namespace=namespace, output='screen', emulate_tty=True,
         parameters=[params_file, manager_overrides])
 
-    configure = EmitEvent(event=ChangeState(
-        lifecycle_node_matcher=matches_action(manager),
-        transition_id=Transition.TRANSITION_CONFIGURE))
-    activate_when_inactive = RegisterEventHandler(OnStateTransition(
-        target_lifecycle_node=manager, start_state='configuring', goal_state='inactive',
-        entities=[
-            LogInfo(msg='profile_manager configured; activating (applies the initial task)'),
-            EmitEvent(event=ChangeState(
-                lifecycle_node_matcher=matches_action(manager),
-                transition_id=Transition.TRANSITION_ACTIVATE)),
-        ]))
+    def change(node, transition_id):
+        return EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(node),
+                                           transition_id=transition_id))
+
+    def after(node, start, goal, message, *entities):
+        return RegisterEventHandler(OnStateTransition(
+            target_lifecycle_node=node, start_state=start, goal_state=goal,
+            entities=[LogInfo(msg=message), *entities]))
+
     return [
         LogInfo(msg=f'selectinfer: params {params_file}, overrides {overrides}, '
                     f'namespace /{namespace}'),
+        after(inference, 'configuring', 'inactive', 'selectinfer_node: model loaded; activating',
+              change(inference, Transition.TRANSITION_ACTIVATE)),
+        after(inference, 'activating', 'active', 'selectinfer_node: serving; configuring '
+              'profile_manager', change(manager, Transition.TRANSITION_CONFIGURE)),
+        after(manager, 'configuring', 'inactive', 'profile_manager: configured; activating '
+              '(applies the initial task)', change(manager, Transition.TRANSITION_ACTIVATE)),
         inference,
-        activate_when_inactive,
         manager,
-        configure,
+        change(inference, Transition.TRANSITION_CONFIGURE),
     ]
 
 

@@ -111,6 +111,28 @@ else
   say "selectinfer_msgs up to date"
 fi
 
+# --- console scripts ---------------------------------------------------------
+# The commands setup.py declares (selectinfer, selectinfer_node, ...) as .venv/bin wrappers, so
+# that they are on PATH after `source scripts/env.sh` as they are in a colcon install.
+"$VPY" - "$VENV" <<'PYEOF'
+import ast, os, sys
+venv = sys.argv[1]
+tree = ast.parse(open("setup.py", encoding="utf-8").read())
+entries = next(node.values[i] for node in ast.walk(tree) if isinstance(node, ast.Dict)
+               for i, k in enumerate(node.keys)
+               if isinstance(k, ast.Constant) and k.value == "console_scripts")
+for entry in ast.literal_eval(entries):
+    name, target = (x.strip() for x in entry.split("="))
+    module, func = target.split(":")
+    path = os.path.join(venv, "bin", name)
+    text = (f"#!{venv}/bin/python\n# written by scripts/setup.sh from setup.py\nimport sys\n"
+            f"from {module} import {func}\nsys.exit({func}())\n")
+    if not os.path.exists(path) or open(path, encoding="utf-8").read() != text:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(path, 0o755)
+PYEOF
+
 # --- default model (assembled and converted once; idempotent) ---------------
 if [ -f selectinfer_ros/core/default_model.py ]; then
   say "default model"

@@ -5,9 +5,11 @@
 It does what ``launch/jetson.launch.py`` does on a full ROS install: the same parameters YAML
 (``<node_name>: ros__parameters:`` blocks, matched by rcl as with ``--params-file``), the same
 launch arguments as options (``--model --task --load-ratio --compute-ratio --device --dtype
---namespace``), and it drives the profile manager's lifecycle (configure, then activate) through
-its ``change_state`` service, as launch's ChangeState events do. Both nodes spin in one
-MultiThreadedExecutor. Ctrl-C (or SIGTERM) shuts the profile manager down and exits 0.
+--namespace``), and it drives both lifecycle nodes through their ``change_state`` services, as
+launch's ChangeState events do: ``selectinfer_node`` configure (model load) and activate (the
+action server appears), then ``profile_manager`` configure and activate. Both nodes spin in one
+MultiThreadedExecutor. Ctrl-C (or SIGTERM) ends the running goal within a decode step (its
+client gets the result with the reason), shuts both nodes down and exits 0.
 
 Arguments after ``--ros-args`` (log levels, remappings, ``-p name:=value`` for both nodes) go
 to rcl.
@@ -30,6 +32,7 @@ from rclpy.parameter import Parameter
 from .tools.common import init_context, ns_name
 
 CONFIG_NAMES = ("desktop.yaml", "jetson_orin_nano.yaml")
+LOAD_TIMEOUT = 1800.0  # seconds for selectinfer_node's configure (a first run converts the model)
 
 
 def config_dir() -> Path:
@@ -100,11 +103,11 @@ class Bringup:
         except Exception:  # noqa: BLE001 - context shut down
             pass
 
-    def change_state(self, transition_id: int, timeout: float) -> bool:
-        """Ask the profile manager for a lifecycle transition through its change_state service
-        (what launch's ChangeState event does)."""
+    def change_state(self, node: str, transition_id: int, timeout: float) -> bool:
+        """Ask node ``node`` for a lifecycle transition through its change_state service (what
+        launch's ChangeState event does)."""
         from lifecycle_msgs.srv import ChangeState
-        name = ns_name(self.namespace, "profile_manager/change_state")
+        name = ns_name(self.namespace, f"{node}/change_state")
         client = self.helper.create_client(ChangeState, name)
         try:
             if not client.wait_for_service(timeout_sec=10.0):
@@ -121,16 +124,21 @@ class Bringup:
         finally:
             self.helper.destroy_client(client)
 
-    def configure_and_activate(self, timeout: float | None = None) -> None:
-        """configure + activate the profile manager; RuntimeError with the reason on failure."""
+    def configure_and_activate(self, timeout: float = LOAD_TIMEOUT) -> None:
+        """configure + activate selectinfer_node, then the profile manager (the order of the
+        launch file); RuntimeError with the reason on failure."""
         from lifecycle_msgs.msg import Transition
-        timeout = timeout or self.manager.settings.reload_timeout + 30.0
-        if not self.change_state(Transition.TRANSITION_CONFIGURE, timeout):
+        if not self.change_state("selectinfer_node", Transition.TRANSITION_CONFIGURE, timeout):
+            raise RuntimeError(f"selectinfer_node refused to configure ("
+                               f"{self.inference.load_error or 'see its log'})")
+        if not self.change_state("selectinfer_node", Transition.TRANSITION_ACTIVATE, 60.0):
+            raise RuntimeError("selectinfer_node refused to activate (see its log)")
+        manager_timeout = self.manager.settings.reload_timeout + 150.0
+        if not self.change_state("profile_manager", Transition.TRANSITION_CONFIGURE, manager_timeout):
             raise RuntimeError("profile_manager refused to configure (see its log: profiles "
                                "folder, model, initial task)")
-        if not self.change_state(Transition.TRANSITION_ACTIVATE, timeout):
-            reason = self.inference.load_error or "see the profile_manager log"
-            raise RuntimeError(f"profile_manager refused to activate ({reason})")
+        if not self.change_state("profile_manager", Transition.TRANSITION_ACTIVATE, manager_timeout):
+            raise RuntimeError("profile_manager refused to activate (see its log)")
 
     def _destroy_nodes(self) -> None:
         if self.generate_client is not None:
@@ -141,12 +149,17 @@ class Bringup:
                 node.destroy_node()
 
     def shutdown(self) -> None:
-        """Shut the lifecycle node down, stop the executor, destroy the nodes."""
-        try:
-            if self.manager is not None and self.context.ok():
-                self.manager.trigger_shutdown()
-        except Exception:  # noqa: BLE001 - already finalized
-            pass
+        """End the goals (the running one within a decode step; clients get the results while
+        the executor still spins), shut both lifecycle nodes down, stop the executor, destroy
+        the nodes."""
+        if self.inference is not None and self.context.ok():
+            self.inference.stop()
+        for node in (self.manager, self.inference):
+            try:
+                if node is not None and self.context.ok():
+                    node.trigger_shutdown()
+            except Exception:  # noqa: BLE001 - already finalized
+                pass
         self.executor.shutdown(timeout_sec=5.0)
         self._thread.join(5.0)
         self._destroy_nodes()

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 from .engine import GenerationConfig
+from .escapes import process_escapes
+from .options import ModelOptions, ParamError, add_arguments, from_namespace
 
 
 def _log(msg: str) -> None:
@@ -14,43 +16,19 @@ def _log(msg: str) -> None:
 
 
 def _model_path(arg: str | None) -> str:
-    if arg:
-        return arg
-    from .default_model import ensure_packed
-    return str(ensure_packed(log=_log))
+    from .runtime import model_path
+    return model_path(ModelOptions(model=arg or ""), _log)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Model, ratio and device options shared by generate, bench and eval."""
-    p.add_argument("--model", help="packed model folder (default: the embedded Gemma 3 270M)")
-    p.add_argument("--profiles", help="profiles folder (default: profiles/<model-id>)")
-    p.add_argument("--task", default="", help="task profile (default: the first one)")
-    p.add_argument("--load-ratio", type=float, default=1.0, help="gamma: share of neurons loaded")
-    p.add_argument("--static-ratio", type=float, help="delta: static (base) share (default 0.3)")
-    p.add_argument("--compute-ratio", type=float, help="phi: share computed per token (default gamma)")
-    p.add_argument("--alpha", type=float, default=0.2, help="per-token top share for dynamic votes")
-    p.add_argument("--dense-layers", type=int, default=0, help="first/last layers kept dense")
-    p.add_argument("--selection", default="auto", help="neuron selection: auto (sensitivity when the "
-                   "profiles carry it, else published), published, sensitivity, random")
-    p.add_argument("--memory-budget", type=float, help="GiB the weights may take (chooses gamma)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: packed)")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    """The model options (one per :class:`ModelOptions` field: --model, --load-ratio, ...)."""
+    add_arguments(p, ModelOptions)
 
 
 def runtime_from_args(args: argparse.Namespace, dense: bool = False):
-    import torch
-    from .runtime import Runtime, RuntimeOptions
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    budget = int(args.memory_budget * 2**30) if args.memory_budget else None
-    opts = RuntimeOptions(
-        model=_model_path(args.model), profiles=args.profiles, task=args.task,
-        load_ratio=args.load_ratio, static_ratio=args.static_ratio,
-        compute_ratio=args.compute_ratio, alpha=args.alpha, device=args.device, dtype=args.dtype,
-        dense_layers=args.dense_layers, selection=args.selection, memory_budget_bytes=budget,
-        dense=dense)
-    return Runtime(opts, log=_log)
+    """The Runtime of parsed model options (validated as the nodes validate their parameters)."""
+    from .runtime import Runtime
+    return Runtime(from_namespace(ModelOptions, args), log=_log, dense=dense)
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
@@ -97,11 +75,17 @@ def cmd_profile_show(argv: list[str]) -> int:
     return 0
 
 
+def _text(args: argparse.Namespace, text: str) -> str:
+    """A string from the command line, escape sequences processed unless --no-escape."""
+    return text if args.no_escape else process_escapes(text)
+
+
 def _gen_config(args: argparse.Namespace, **over) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p,
                             repetition_penalty=args.repetition_penalty, seed=args.seed,
-                            stop=list(args.stop or []), use_chat_template=args.chat, **over)
+                            stop=[_text(args, s) for s in args.stop or []],
+                            use_chat_template=args.chat, **over)
 
 
 def result_json(rt, res, prompt: str | None = None) -> dict:
@@ -132,8 +116,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt is None:
         print("selectinfer generate: give a prompt or --prompts FILE.jsonl", file=sys.stderr)
         return 2
-    stream = None if args.json else (lambda s: print(s, end="", flush=True))
-    res = rt.generate(args.prompt, _gen_config(args), on_text=stream)
+    stream = None if args.json else (lambda s, n: print(s, end="", flush=True))
+    res = rt.generate(_text(args, args.prompt), _gen_config(args), on_text=stream)
     if args.json:
         print(json.dumps(result_json(rt, res)))
     else:
@@ -146,6 +130,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"load={rt.load_seconds:.2f}s task={rt.task or '-'} gamma={rt.load_ratio} "
               f"phi={rt.compute_ratio}", file=sys.stderr)
     return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .pack import verify
+    problems = verify(_model_path(args.model), log=_log)
+    for line in problems:
+        print(f"selectinfer verify: {line}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def cmd_make_random(args: argparse.Namespace) -> int:
@@ -198,7 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="apply the chat template")
+    p.add_argument("--no-escape", action="store_true", help="keep \\n, \\t, \\xHH ... in the "
+                   "prompt and stop strings as typed (default: turn them into the characters)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("verify", help="check every neuron record and tensor of a packed model "
+                                      "against its checksums")
+    p.add_argument("model", nargs="?", help="packed model folder (default: the embedded model)")
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("make-random", help="random-weight model with real shapes, packed")
     p.add_argument("preset")
@@ -220,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ParamError, ValueError, FileNotFoundError, KeyError) as e:
         print(f"selectinfer: error: {e}", file=sys.stderr)
         return 2
 

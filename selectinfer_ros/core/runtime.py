@@ -5,59 +5,52 @@ The CLI and the ROS nodes both go through :class:`Runtime`; it holds no ROS type
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from .engine import Engine, GenerationConfig, GenerationResult
-from .loader import SelectiveModel, SwitchReport, load_dense
+from .loader import SelectiveModel, SwitchReport, load_dense, load_ratio_for_budget, resolve_dtype
 from .metrics import (RunningStats, cuda_allocated_bytes, peak_rss_bytes, process_rss_bytes,
                       system_available_bytes)
+from .options import ModelOptions
 from .pack import read_manifest
 from .paths import default_profiles_dir
 from .tokenizer import load_tokenizer
 
-DEFAULT_STATIC_RATIO = 0.3
-
-
-@dataclass
-class RuntimeOptions:
-    model: str
-    profiles: str | None = None  # None = profiles/<model-id>
-    task: str = ""
-    load_ratio: float = 1.0
-    static_ratio: float | None = None  # None = min(0.3, compute_ratio)
-    compute_ratio: float | None = None  # None = load_ratio
-    alpha: float = 0.2
-    device: str = "cpu"
-    dtype: str | None = None
-    dense_layers: int = 0
-    selection: str = "auto"  # sensitivity when the profiles carry it, else published
-    memory_budget_bytes: int | None = None
-    context_limit: int | None = None
-    dense: bool = False  # the unmodified transformers model, for comparison
+def model_path(opts: ModelOptions, log: Callable[[str], None] = lambda s: None) -> str:
+    """The packed model folder of ``opts`` (the embedded model, prepared once, when empty)."""
+    if opts.model:
+        return opts.model
+    from .default_model import ensure_packed
+    return str(ensure_packed(log=log))
 
 
 class Runtime:
     """A served model: generate, switch task, report memory."""
 
-    def __init__(self, opts: RuntimeOptions, log: Callable[[str], None] = lambda s: None):
+    def __init__(self, opts: ModelOptions, log: Callable[[str], None] = lambda s: None,
+                 dense: bool = False):
+        """Load ``opts.model`` (``dense``: the unmodified transformers model, for comparison)."""
+        if opts.num_threads:
+            torch.set_num_threads(opts.num_threads)
         self.opts = opts
-        manifest = read_manifest(opts.model)
+        path = model_path(opts, log)
+        manifest = read_manifest(path)
         self.model_id = manifest.model_id
         self.stats = RunningStats()
         self.switches = 0
         self.last_switch: SwitchReport | None = None
         self._lock = threading.Lock()
-        if opts.dense:
-            import time
+        context_limit = opts.context_limit or None
+        if dense:
             t0 = time.perf_counter()
-            model, nbytes = load_dense(opts.model, opts.dtype, opts.device)
+            model, nbytes = load_dense(path, opts.dtype or None, opts.device)
             self.selective = None
-            self.engine = Engine(model, load_tokenizer(opts.model),
-                                 context_limit=opts.context_limit)
+            self.engine = Engine(model, load_tokenizer(path), context_limit=context_limit)
             self.bytes_read, self.load_seconds = nbytes, time.perf_counter() - t0
             self.task = ""
             return
@@ -67,12 +60,22 @@ class Runtime:
                 raise FileNotFoundError(f"profiles folder {profiles} does not exist; run "
                                         f"`selectinfer profile` for model {manifest.model_id}")
             profiles = None
-        phi = opts.compute_ratio if opts.compute_ratio is not None else opts.load_ratio
-        delta = opts.static_ratio if opts.static_ratio is not None else min(DEFAULT_STATIC_RATIO, phi)
+        gamma = opts.load_ratio
+        if opts.memory_budget_mb > 0:  # the budget sets gamma; phi and delta follow from it
+            dtype = resolve_dtype(opts.dtype or None, manifest.dtype)
+            gamma = load_ratio_for_budget(manifest, dtype, int(opts.memory_budget_mb * 2**20),
+                                          opts.dense_layers)
+            if opts.compute_ratio > gamma:
+                raise ValueError(f"memory_budget_mb {opts.memory_budget_mb:g} allows load_ratio "
+                                 f"{gamma:.3f}; compute_ratio {opts.compute_ratio:g} must not "
+                                 f"exceed it (0 = load_ratio)")
+            log(f"[load] memory budget {opts.memory_budget_mb:g} MiB -> load_ratio {gamma:.3f}")
+        sized = replace(opts, load_ratio=gamma, memory_budget_mb=0.0)
         self.selective = SelectiveModel(
-            opts.model, profiles, opts.task or None, opts.load_ratio, delta, phi, opts.alpha,
-            opts.device, opts.dtype, opts.dense_layers, opts.selection, opts.memory_budget_bytes, log)
-        self.engine = Engine.from_selective(self.selective, opts.context_limit)
+            path, profiles, opts.task or None, gamma, sized.effective_static_ratio,
+            sized.effective_compute_ratio, opts.alpha, opts.device, opts.dtype or None,
+            opts.dense_layers, opts.selection, None, log)
+        self.engine = Engine.from_selective(self.selective, context_limit)
         self.bytes_read, self.load_seconds = self.selective.bytes_read, self.selective.load_seconds
         self.task = self.selective.task
 
@@ -82,7 +85,7 @@ class Runtime:
         return sm.catalog.tasks if sm is not None and sm.catalog is not None else []
 
     def generate(self, prompt: str | list[int], config: GenerationConfig,
-                 on_text: Callable[[str], None] | None = None,
+                 on_text: Callable[[str, int], None] | None = None,
                  cancel: Callable[[], bool] | None = None, task: str = "") -> GenerationResult:
         """Generate, switching to ``task`` first when it differs from the active one."""
         with self._lock:

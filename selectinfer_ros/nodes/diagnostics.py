@@ -7,9 +7,11 @@ diagnostic_aggregator analyzers and rqt_robot_monitor group them:
 * ``<node>: throughput`` decode tokens/s, time to first token, queue, goal counters
 * ``<node>: profile``    active task, ratios in force, neurons loaded, switches, reload time
 
-``hardware_id`` is the torch device. Levels: ERROR when no model is loaded, WARN when the goal
-queue is full or system available memory is under the headroom, OK otherwise. STALE is left to
-the aggregator. Values are strings (DiagnosticStatus KeyValue); byte counts are integers.
+``hardware_id`` is the torch device; the throughput status carries the node's
+``lifecycle_state``. Levels: ERROR when no model is loaded (the message says
+why: loading, unconfigured, the load error), WARN when the model is loaded but the node is not
+active (goals are not served), the goal queue is full or system available memory is under the
+headroom, OK otherwise. STALE is left to the aggregator. Values are strings (DiagnosticStatus KeyValue); byte counts are integers.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ MEMORY_KEYS = ("weight_bytes", "ffn_weight_bytes", "other_weight_bytes", "proces
 THROUGHPUT_KEYS = ("last_tokens_per_second", "average_tokens_per_second",
                    "last_time_to_first_token", "queue_depth", "queue_length", "generating",
                    "goals_succeeded", "goals_canceled", "goals_aborted", "goals_rejected",
-                   "last_rejection")
+                   "last_rejection", "lifecycle_state")
 PROFILE_KEYS = ("active_task", "tasks", "model_id", "load_ratio", "static_ratio", "compute_ratio",
                 "neurons_loaded", "profile_switches", "last_reload_seconds",
                 "last_reload_bytes_read", "full_load_seconds", "full_load_bytes_read")
@@ -41,6 +43,7 @@ class Snapshot:
     device: str
     model_loaded: bool
     model_state: str = ""  # "loading", the load error, ... when not loaded
+    lifecycle_state: str = ""  # unconfigured, configuring, inactive, active, ...
     model_id: str = ""
     memory: dict = field(default_factory=dict)  # Runtime.memory()
     memory_headroom_bytes: int = 0
@@ -86,6 +89,11 @@ def _status(name: str, hw: str, level: int, message: str, values: dict) -> Diagn
                             values=[KeyValue(key=k, value=_fmt(v)) for k, v in values.items()])
 
 
+def _not_loaded(s: Snapshot) -> str:
+    state = s.model_state if s.model_state not in ("", "unloaded") else ""
+    return f"no model loaded ({state or s.lifecycle_state or 'not started'})"
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -101,7 +109,7 @@ def memory_status(s: Snapshot) -> DiagnosticStatus:
     values.update(load_ratio=s.load_ratio, compute_ratio=s.compute_ratio,
                   neurons_loaded=int(m.get("neurons_loaded", 0)))
     if not s.model_loaded:
-        level, msg = ERROR, f"no model loaded ({s.model_state or 'not started'})"
+        level, msg = ERROR, _not_loaded(s)
     elif values["system_available_bytes"] < s.memory_headroom_bytes:
         level, msg = WARN, (f"system available memory {_mib(values['system_available_bytes'])} is "
                             f"under the headroom {_mib(s.memory_headroom_bytes)}")
@@ -119,10 +127,12 @@ def throughput_status(s: Snapshot) -> DiagnosticStatus:
         "queue_depth": s.queue_depth, "queue_length": s.queue_length, "generating": s.generating,
         "goals_succeeded": s.succeeded, "goals_canceled": s.canceled,
         "goals_aborted": s.aborted, "goals_rejected": s.rejected,
-        "last_rejection": s.last_rejection,
+        "last_rejection": s.last_rejection, "lifecycle_state": s.lifecycle_state,
     }
     if not s.model_loaded:
-        level, msg = ERROR, f"no model loaded ({s.model_state or 'not started'})"
+        level, msg = ERROR, _not_loaded(s)
+    elif s.lifecycle_state and s.lifecycle_state != "active":
+        level, msg = WARN, f"model loaded, node {s.lifecycle_state}: goals are not served"
     elif s.queue_full:
         level, msg = WARN, f"goal queue full ({s.queue_depth}/{s.queue_length}): new goals are rejected"
     else:
@@ -143,7 +153,7 @@ def profile_status(s: Snapshot) -> DiagnosticStatus:
         "full_load_bytes_read": int(s.full_load_bytes_read),
     }
     if not s.model_loaded:
-        level, msg = ERROR, f"no model loaded ({s.model_state or 'not started'})"
+        level, msg = ERROR, _not_loaded(s)
     else:
         level, msg = OK, (f"task {s.active_task or '-'} on {s.model_id}, load_ratio {s.load_ratio:g}, "
                           f"compute_ratio {s.compute_ratio:g}")

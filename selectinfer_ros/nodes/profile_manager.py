@@ -16,7 +16,11 @@ the previous profile working. ``active_profile`` relays the inference node's ``l
 so it also follows switches caused by goals that name another task.
 
 Transitions call ``reload_base`` and wait for its answer: spin this node in a
-MultiThreadedExecutor (as ``main`` and ``selectinfer_ros.bringup`` do).
+MultiThreadedExecutor (as ``main`` and ``selectinfer_ros.bringup`` do). The lifecycle services
+are in a reentrant callback group, so ``get_state`` answers during a long activate. A reload
+waits at most ``reload_timeout`` for the goals ahead of it (the inference node is told the same
+timeout); once started it completes, and this node waits for its answer up to
+``RELOAD_RUN_LIMIT`` more seconds.
 """
 from __future__ import annotations
 
@@ -26,23 +30,27 @@ from pathlib import Path
 
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import ReentrantCallbackGroup
-from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
+from rclpy.lifecycle import LifecycleNodeMixin, TransitionCallbackReturn
+from rclpy.node import Node
 
 from selectinfer_msgs.msg import ActiveProfile
 from selectinfer_msgs.srv import ReloadBase, SwitchProfile
 
 from .inference_node import LATCHED
-from .settings import MANAGER_PARAMS, ManagerSettings, ParamError, apply_changes, declare
+from .settings import ManagerSettings, ParamError, apply_changes, declare
+
+RELOAD_RUN_LIMIT = 120.0  # seconds a started reload may take before this node stops waiting
 
 
-class ProfileManager(LifecycleNode):
+class ProfileManager(LifecycleNodeMixin, Node):
     def __init__(self, node_name: str = "profile_manager", *, namespace: str = "llm", **kwargs):
-        super().__init__(node_name, namespace=namespace, **kwargs)
+        Node.__init__(self, node_name, namespace=namespace, **kwargs)
+        LifecycleNodeMixin.__init__(self, callback_group=ReentrantCallbackGroup())
         try:
-            self.settings = ManagerSettings(**declare(self, MANAGER_PARAMS))
+            self.settings: ManagerSettings = declare(self, ManagerSettings)
         except ParamError as e:
             self.get_logger().error(f"refusing to start: {e}")
-            super().destroy_node()
+            Node.destroy_node(self)
             raise
         self.add_on_set_parameters_callback(self._on_set_parameters)
         self._group = ReentrantCallbackGroup()
@@ -153,14 +161,15 @@ class ProfileManager(LifecycleNode):
             return ReloadBase.Response(
                 success=False, message=f"inference node service {client.srv_name} not available")
         done = threading.Event()
-        future = client.call_async(ReloadBase.Request(task=task))
+        future = client.call_async(ReloadBase.Request(task=task, timeout=float(timeout)))
         future.add_done_callback(lambda _f: done.set())
-        if not done.wait(timeout):
+        if not done.wait(timeout + RELOAD_RUN_LIMIT):
             remove = getattr(client, "remove_pending_request", None)
             if remove is not None:
                 remove(future)
             return ReloadBase.Response(
-                success=False, message=f"{client.srv_name} did not answer within {timeout:g} s")
+                success=False, message=f"{client.srv_name} did not answer within "
+                                       f"{timeout + RELOAD_RUN_LIMIT:g} s")
         resp = future.result()
         if resp is None:
             return ReloadBase.Response(success=False, message=f"{client.srv_name} call failed")
@@ -202,7 +211,7 @@ class ProfileManager(LifecycleNode):
             pub.publish(msg)
 
     def _on_set_parameters(self, params) -> SetParametersResult:
-        new, reason = apply_changes(self.settings, MANAGER_PARAMS, params)
+        new, reason = apply_changes(self.settings, params)
         if reason is not None:
             self.get_logger().warning(f"parameter change refused: {reason}")
             return SetParametersResult(successful=False, reason=reason)

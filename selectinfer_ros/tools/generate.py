@@ -1,6 +1,10 @@
-"""Send a Generate goal and print the streamed text and the result (no ros2cli needed).
+r"""Send a Generate goal and print the streamed text and the result (no ros2cli needed).
 
     python -m selectinfer_ros.tools.generate "The three primary colors are" --task qa
+    python -m selectinfer_ros.tools.generate "Question: What is the capital of France?\nAnswer:"
+
+Escape sequences in the prompt and stop strings (``\n``, ``\t``, ``\xHH`` ...) become the
+characters they name, as llama.cpp does; ``--no-escape`` keeps the text as typed.
 
 Exit status 0 when the goal SUCCEEDED; 1 when it was rejected, aborted or canceled; 2 when the
 server was not found. Ctrl-C cancels the goal and prints the partial text.
@@ -16,11 +20,15 @@ from .common import RosClient, format_result, ns_name
 
 def build_goal(args):
     from selectinfer_msgs.action import Generate
+
+    from ..core.escapes import process_escapes
+    text = (lambda s: s) if args.no_escape else process_escapes
     return Generate.Goal(
-        prompt=args.prompt, task=args.task, max_new_tokens=args.max_new_tokens,
+        prompt=text(args.prompt), task=args.task, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed, stop=list(args.stop),
-        use_chat_template=args.chat, compute_ratio=args.compute_ratio)
+        repetition_penalty=args.repetition_penalty, seed=args.seed,
+        stop=[text(s) for s in args.stop], use_chat_template=args.chat,
+        compute_ratio=args.compute_ratio)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,6 +45,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--chat", action="store_true", help="apply the model's chat template")
     ap.add_argument("--compute-ratio", type=float, default=0.0, help="0 = the node's default")
+    ap.add_argument("--no-escape", action="store_true",
+                    help="keep \\n, \\t, \\xHH ... in the prompt and stop strings as typed")
     ap.add_argument("--namespace", default="llm")
     ap.add_argument("--server-timeout", type=float, default=10.0,
                     help="seconds to wait for the action server")

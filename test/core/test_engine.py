@@ -20,7 +20,7 @@ PROMPT = "w10 w11 w12 w13 w14 w15"
 
 def test_stream_pieces_add_up_to_the_text(engine):
     pieces: list[str] = []
-    res = engine.generate(PROMPT, GenerationConfig(max_new_tokens=12), on_text=pieces.append)
+    res = engine.generate(PROMPT, GenerationConfig(max_new_tokens=12), on_text=lambda s, n: pieces.append(s))
     assert res.finish_reason in ("length", "stop")
     assert "".join(pieces) == res.text
     assert len(pieces) >= 2
@@ -53,7 +53,7 @@ def test_stop_string_truncates_and_is_never_streamed(engine):
     assert len(words) >= 4
     stop = " ".join(words[2:4])
     pieces: list[str] = []
-    res = engine.generate(PROMPT, GenerationConfig(max_new_tokens=10, stop=[stop]), on_text=pieces.append)
+    res = engine.generate(PROMPT, GenerationConfig(max_new_tokens=10, stop=[stop]), on_text=lambda s, n: pieces.append(s))
     assert res.finish_reason == "stop"
     assert stop not in res.text and stop not in "".join(pieces)
     assert free.text.startswith(res.text)

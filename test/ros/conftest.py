@@ -193,8 +193,16 @@ class LLMGraph:
         spinner.add_node(self.client_node)
         self._clients = []
 
+    def configure(self):
+        """The inference node's configure transition (loads the model); True on success."""
+        from rclpy.lifecycle import TransitionCallbackReturn
+        return self.node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+
     def ready(self, timeout=20.0):
-        assert self.node.wait_loaded(timeout), f'model not loaded: {self.node.load_error}'
+        """Configure and activate the inference node, then wait for the action server."""
+        from rclpy.lifecycle import TransitionCallbackReturn
+        assert self.configure(), f'model not loaded: {self.node.load_error}'
+        assert self.node.trigger_activate() == TransitionCallbackReturn.SUCCESS
         assert self.action.wait_for_server(timeout_sec=timeout), 'generate not discovered'
         return self
 

@@ -156,15 +156,20 @@ def test_failed_model_load_reports_error_and_node_keeps_answering(llm_graph, tin
     packed = tmp_path / 'packed'
     shutil.copytree(tiny_llm.model, packed)
     ffn = packed / FFN_FILE
-    ffn.write_bytes(ffn.read_bytes()[:1000])  # truncated neuron file: the load fails
+    good = ffn.read_bytes()
+    ffn.write_bytes(good[:1000])  # truncated neuron file: the load fails
     g = llm_graph(model=str(packed))
-    assert not g.node.wait_loaded(30.0)
-    assert g.node.load_error
-    assert g.action.wait_for_server(timeout_sec=10.0)
+    assert not g.configure()
+    assert 'truncated' in g.node.load_error
+    assert g.node.lifecycle_state == 'unconfigured'
     arr = g.node.publish_diagnostics()
     assert [diag.level_of(s) for s in arr.status] == [2, 2, 2]
     assert all('no model loaded (load failed' in s.message for s in arr.status)
-    assert not g.send(g.goal()).accepted
-    resp = g.call(ReloadBase, 'reload_base', ReloadBase.Request(task='beta'))
-    assert not resp.success and 'no model loaded' in resp.message
-    assert g.node.snapshot().rejected == 1
+    assert diag.as_dict(arr.status[1])['lifecycle_state'] == 'unconfigured'
+    # not serving: no action server, no reload service
+    assert not g.action.wait_for_server(timeout_sec=1.0)
+    assert not g.client_node.create_client(ReloadBase, 'reload_base').wait_for_service(timeout_sec=0.5)
+    # the node keeps answering: once the file is repaired, configure succeeds and goals are served
+    ffn.write_bytes(good)
+    g.ready()
+    assert g.run(g.goal(max_new_tokens=3)).status == GoalStatus.STATUS_SUCCEEDED

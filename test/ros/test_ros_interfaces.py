@@ -73,7 +73,7 @@ def test_service_and_message_fields():
         'success': 'boolean', 'message': 'string', 'active_task': 'string',
         'reload_seconds': 'double', 'bytes_read': 'uint64',
     }
-    assert _fields(ReloadBase.Request) == {'task': 'string'}
+    assert _fields(ReloadBase.Request) == {'task': 'string', 'timeout': 'double'}
     assert _fields(ReloadBase.Response) == {
         'success': 'boolean', 'message': 'string', 'active_task': 'string',
         'reload_seconds': 'double', 'bytes_read': 'uint64', 'neurons_read': 'uint32',

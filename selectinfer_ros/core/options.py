@@ -1,0 +1,255 @@
+"""Every setting of the model and the nodes, in one place: name, type, default, range, help.
+
+``ModelOptions`` are what a served model needs (the CLI's options, the inference node's model
+parameters); ``NodeSettings`` adds the serving knobs of the inference node; ``ManagerSettings``
+are the profile manager's. The ROS nodes declare their parameters from these fields (type, range,
+description, read_only), the CLI builds its options from them, and both validate through
+:func:`coerce` and ``check()``: a value is refused with the same reason everywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
+from typing import Any, Callable
+
+DEFAULT_STATIC_RATIO = 0.3
+SELECTIONS = ("auto", "published", "sensitivity", "shared-sensitivity", "random")
+DTYPES = ("", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16", "auto")
+KINDS = {"str": str, "float": float, "int": int, "bool": bool}
+
+
+class ParamError(ValueError):
+    """A setting refused, with the reason."""
+
+
+def param(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None,
+          lo_open: bool = False, special: Any = None, choices: tuple = (),
+          check: Callable[[Any], str | None] | None = None, runtime: bool = False,
+          aliases: tuple[str, ...] = ()) -> Any:
+    """A settings field: ``lo``/``hi`` bound numbers (``special`` is an allowed out-of-range value
+    with a meaning given in ``doc``), ``choices`` bound strings, ``check`` returns a reason or
+    None, ``runtime`` fields may change while a node runs (the others are read-only);
+    ``aliases`` are extra command-line flags."""
+    return field(default=default, metadata=dict(doc=doc, lo=lo, hi=hi, lo_open=lo_open,
+                                                 special=special, choices=choices, check=check,
+                                                 runtime=runtime, aliases=aliases))
+
+
+def _device(v: str) -> str | None:
+    if v == "cpu":
+        return None
+    if v == "cuda" or (v.startswith("cuda:") and v[5:].isdigit()):
+        import torch
+        if not torch.cuda.is_available():
+            return f"is {v!r} but CUDA is not available on this machine (use device:=cpu)"
+        index = int(v[5:]) if ":" in v else 0
+        if index >= torch.cuda.device_count():
+            return f"is {v!r} but only {torch.cuda.device_count()} CUDA device(s) exist"
+        return None
+    return f"must be 'cpu', 'cuda' or 'cuda:N', got {v!r}"
+
+
+def _model() -> Any:
+    return param("", "packed model folder; empty = the embedded Gemma 3 270M")
+
+
+def _profiles() -> Any:
+    return param("", "task profiles folder; empty = profiles/<model-id>")
+
+
+def _reload_timeout() -> Any:
+    return param(300.0, "seconds a base-neuron reload may wait for the goals ahead of it (a "
+                 "reload that has started always completes)", lo=0.0, lo_open=True, runtime=True)
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The model to serve and how much of it is loaded and computed."""
+
+    model: str = _model()
+    profiles: str = _profiles()
+    task: str = param("", "task profile loaded at start; empty = the first one")
+    load_ratio: float = param(1.0, "gamma: share of MLP neurons resident in memory",
+                              lo=0.0, hi=1.0, lo_open=True)
+    static_ratio: float = param(-1.0, f"delta: share of base (task) neurons; -1 = "
+                                f"min({DEFAULT_STATIC_RATIO}, compute_ratio)", lo=0.0, hi=1.0,
+                                special=-1.0)
+    compute_ratio: float = param(0.0, "phi: share of MLP neurons computed per token (goals may "
+                                 "ask for another); 0 = load_ratio", lo=0.0, hi=1.0, lo_open=True,
+                                 special=0.0, runtime=True)
+    alpha: float = param(0.2, "per-token top share of loaded neurons voting for dynamic ones",
+                         lo=0.0, hi=1.0, lo_open=True)
+    device: str = param("cpu", "torch device: cpu, cuda, cuda:N", check=_device)
+    dtype: str = param("", "float32, float16 or bfloat16; empty = the packed dtype",
+                       choices=DTYPES)
+    dense_layers: int = param(0, "first and last layers kept dense (all neurons)", lo=0)
+    selection: str = param("auto", "neuron selection: " + ", ".join(SELECTIONS), choices=SELECTIONS)
+    memory_budget_mb: float = param(0.0, "MiB the weights may take (chooses load_ratio); "
+                                    "0 = use load_ratio", lo=0.0)
+    context_limit: int = param(0, "context window cap in tokens; 0 = the model's", lo=0)
+    num_threads: int = param(0, "torch CPU threads; 0 = torch's default", lo=0,
+                             aliases=("--threads",))
+
+    @property
+    def effective_compute_ratio(self) -> float:
+        return self.compute_ratio if self.compute_ratio > 0 else self.load_ratio
+
+    @property
+    def effective_static_ratio(self) -> float:
+        if self.static_ratio >= 0:
+            return self.static_ratio
+        return min(DEFAULT_STATIC_RATIO, self.effective_compute_ratio)
+
+    def check(self) -> None:
+        """Cross-setting checks (ParamError with the reason)."""
+        if self.memory_budget_mb > 0:  # the budget chooses load_ratio; checked once it is known
+            return
+        from .loader import check_ratios
+        try:
+            check_ratios(self.load_ratio, self.effective_static_ratio, self.effective_compute_ratio)
+        except ValueError as e:
+            raise ParamError(f"ratios refused (need 0 <= static_ratio <= compute_ratio <= "
+                             f"load_ratio <= 1): {e}") from None
+
+
+@dataclass(frozen=True)
+class NodeSettings(ModelOptions):
+    """The inference node's parameters: the model's, and how goals are served."""
+
+    max_new_tokens: int = param(128, "max_new_tokens of goals that give 0", lo=1, runtime=True)
+    max_new_tokens_limit: int = param(1024, "goals asking for more are rejected", lo=1,
+                                      runtime=True)
+    queue_length: int = param(4, "goals that may wait behind the running one; more are rejected",
+                              lo=0, runtime=True)
+    diagnostics_period: float = param(1.0, "seconds between diagnostics messages", lo=0.0,
+                                      lo_open=True, runtime=True)
+    memory_headroom_mb: float = param(512.0, "diagnostics WARN when the system's available "
+                                      "memory is below this many MiB", lo=0.0, runtime=True)
+    reload_timeout: float = _reload_timeout()
+
+    def check(self) -> None:
+        if self.max_new_tokens > self.max_new_tokens_limit:
+            raise ParamError(f"max_new_tokens={self.max_new_tokens} exceeds "
+                             f"max_new_tokens_limit={self.max_new_tokens_limit}")
+        super().check()
+
+
+@dataclass(frozen=True)
+class ManagerSettings:
+    """The profile manager's parameters."""
+
+    model: str = _model()
+    profiles: str = _profiles()
+    task: str = param("", "task applied on activate; empty = keep the inference node's")
+    reload_timeout: float = _reload_timeout()
+
+    def check(self) -> None:
+        pass
+
+
+def kind_of(f: Field) -> type:
+    return KINDS[f.type] if isinstance(f.type, str) else f.type
+
+
+def coerce(f: Field, value: Any) -> Any:
+    """``value`` for field ``f`` (an integer is accepted for a float), or ParamError."""
+    kind, meta = kind_of(f), f.metadata
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ParamError(f"{f.name} must be a number, got {value!r}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ParamError(f"{f.name} must be finite, got {value}")
+    elif kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ParamError(f"{f.name} must be an integer, got {value!r}")
+    elif kind is str:
+        if not isinstance(value, str):
+            raise ParamError(f"{f.name} must be a string, got {value!r}")
+        value = value.strip()
+    elif kind is bool and not isinstance(value, bool):
+        raise ParamError(f"{f.name} must be true or false, got {value!r}")
+    if meta.get("special") is not None and value == meta["special"]:
+        return value
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is not None and (value <= lo if meta.get("lo_open") else value < lo):
+        raise ParamError(f"{f.name} {range_text(f)}, got {value}")
+    if hi is not None and value > hi:
+        raise ParamError(f"{f.name} {range_text(f)}, got {value}")
+    if meta.get("choices") and value not in meta["choices"]:
+        shown = ", ".join(c for c in meta["choices"] if c) or "(empty)"
+        raise ParamError(f"{f.name} must be one of {shown}, got {value!r}")
+    if meta.get("check") is not None:
+        reason = meta["check"](value)
+        if reason:
+            raise ParamError(f"{f.name} {reason}")
+    return value
+
+
+def range_text(f: Field) -> str:
+    """``must be in (0.0, 1.0]`` (with the special value, if any)."""
+    meta = f.metadata
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if hi is None:
+        text = f"must be {'>' if meta.get('lo_open') else '>='} {lo}"
+    else:
+        text = f"must be in {'(' if meta.get('lo_open') else '['}{lo}, {hi}]"
+    special = meta.get("special")
+    return text if special is None else f"{text} or {special}"
+
+
+def from_values(cls, values: dict[str, Any]):
+    """``cls`` from raw values (unknown names refused), each coerced, then cross-checked."""
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ParamError(f"unknown setting(s) {', '.join(unknown)} for {cls.__name__}")
+    obj = cls(**{k: coerce(known[k], v) for k, v in values.items()})
+    obj.check()
+    return obj
+
+
+def changed(current, values: dict[str, Any]):
+    """``current`` with ``values`` applied while running: only runtime fields may change.
+    Returns the new settings or raises ParamError."""
+    known = {f.name: f for f in fields(current)}
+    changes = {}
+    for name, value in values.items():
+        f = known.get(name)
+        if f is None:
+            continue  # not ours (use_sim_time, ...)
+        value = coerce(f, value)
+        if value == getattr(current, name):
+            continue
+        if not f.metadata.get("runtime"):
+            raise ParamError(f"{name} is read-only once the node has started; change it in the "
+                             f"parameters file and restart the node")
+        changes[name] = value
+    new = replace(current, **changes)
+    new.check()
+    return new
+
+
+def add_arguments(ap: argparse.ArgumentParser, cls=ModelOptions, skip: tuple[str, ...] = ()) -> None:
+    """One ``--flag`` per field of ``cls`` (``load_ratio`` -> ``--load-ratio``), default and help
+    from the field."""
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        kind = kind_of(f)
+        default = f.default if f.default is not MISSING else None
+        help_text = f.metadata.get("doc", "")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+        if kind is bool:
+            ap.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
+        else:
+            ap.add_argument(*flags, dest=f.name, type=kind, default=default,
+                            help=f"{help_text} (default {default!r})")
+
+
+def from_namespace(cls, args: argparse.Namespace, **over):
+    """``cls`` from parsed ``add_arguments`` options (plus ``over``), validated."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+    values.update(over)
+    return from_values(cls, values)
