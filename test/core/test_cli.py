@@ -50,3 +50,36 @@ def test_profile_show_summarises_shipped_profiles(embedded_profiles):
     out = _cli("profile", "show", str(embedded_profiles))
     assert out.returncode == 0, out.stderr
     assert "task qa" in out.stdout and "base-set overlap" in out.stdout
+
+
+def test_console_script_is_on_path_after_env():
+    """`selectinfer ...` works as the README writes it after `source scripts/env.sh`."""
+    import shutil
+    exe = shutil.which("selectinfer")
+    assert exe, "selectinfer not on PATH (scripts/setup.sh writes it into .venv/bin)"
+    out = subprocess.run([exe, "generate", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--load-ratio" in out.stdout and "--no-escape" in out.stdout
+
+
+def test_escape_sequences_in_command_line_prompts(tiny_models):
+    from selectinfer_ros.core.escapes import process_escapes
+    assert process_escapes(r"Question: Why?\nAnswer:") == "Question: Why?\nAnswer:"
+    assert process_escapes(r"a\tb\\n\x41\q") == "a\tb\\nA\\q"
+    _, packed = tiny_models["tiny-llama"]
+    runs = {}
+    for flags in ((), ("--no-escape",)):
+        out = _cli("generate", "--model", str(packed), "--json", "--max-new-tokens", "1",
+                   *flags, r"w5\nw6")
+        assert out.returncode == 0, out.stderr
+        runs[flags] = json.loads(out.stdout)["prompt_tokens"]
+    from selectinfer_ros.core.tokenizer import load_tokenizer
+    tok = load_tokenizer(packed)
+    assert runs[()] == len(tok("w5\nw6")["input_ids"])
+    assert runs[("--no-escape",)] == len(tok(r"w5\nw6")["input_ids"])
+    assert runs[()] != runs[("--no-escape",)]
+
+
+def test_verify_command(tiny_models):
+    _, packed = tiny_models["tiny-qwen2"]
+    out = _cli("verify", str(packed))
+    assert out.returncode == 0 and "intact" in out.stderr

@@ -214,3 +214,67 @@ def test_unknown_architecture_is_refused(tmp_path):
     GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
         pack(tmp_path / "gpt2", tmp_path / "out")
+
+
+def test_memory_budget_counts_dense_layers(tiny_models, tiny_profiles):
+    """The layers ``dense_layers`` keeps whole are part of the budget (they were not: a tiny
+    model with dense_layers=1 loaded 922 KB for a 765 KB budget)."""
+    _, packed = tiny_models["tiny-llama"]
+    m = read_manifest(packed)
+    layer = m.ffn_bytes // m.num_layers
+    assert m.num_layers >= 3
+    budget = _other_bytes(packed) + 2 * layer + int(0.5 * (m.num_layers - 2) * layer)
+    sm = SelectiveModel(packed, tiny_profiles["tiny-llama"], "alpha", static_ratio=0.1,
+                        dense_layers=1, memory_budget_bytes=budget)
+    assert 0.45 <= sm.load_ratio <= 0.5
+    assert sm.weight_bytes()["total"] <= budget
+    assert all(mlp.n_loaded == m.intermediate_size for i, mlp in enumerate(sm.mlps)
+               if i in (0, m.num_layers - 1))
+    assert sm.weight_bytes()["total"] >= budget - m.num_layers * m.record_bytes
+
+
+def test_failed_switch_leaves_model_and_task_unchanged(tiny_profiles, packed_copy):
+    """A read error in the middle of a task switch changes nothing (all reads come first)."""
+    sm = SelectiveModel(packed_copy, tiny_profiles["tiny-llama"], "alpha", load_ratio=0.5,
+                        static_ratio=0.2, compute_ratio=0.4)
+    before = [(m.slot_ids.clone(), m.gu.clone(), m.down.clone(), m.n_static, m.n_active)
+              for m in sm.mlps]
+    f = packed_copy / FFN_FILE
+    f.write_bytes(f.read_bytes()[: int(f.stat().st_size * 0.6)])  # the last layers fail to read
+    with pytest.raises(FormatError, match="truncated"):
+        sm.switch_task("beta")
+    assert sm.task == "alpha"
+    for m, (ids, gu, down, n_static, n_active) in zip(sm.mlps, before):
+        assert torch.equal(m.slot_ids, ids) and torch.equal(m.gu, gu) and torch.equal(m.down, down)
+        assert (m.n_static, m.n_active) == (n_static, n_active)
+
+
+def _corrupt_middle(path, start: int, n: int = 64) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[start:start + n] = bytes(n)
+    path.write_bytes(bytes(raw))
+
+
+def test_corrupt_neuron_record_is_refused_and_verify_finds_it(packed_copy, tiny_profiles):
+    """64 bytes zeroed in a neuron record (header intact) are caught by the record checksums."""
+    from selectinfer_ros.core.pack import neuron_key, verify
+    m = read_manifest(packed_copy)
+    info = read_header(packed_copy / FFN_FILE)[0][neuron_key(1)]
+    sm = SelectiveModel(packed_copy, tiny_profiles["tiny-llama"], "alpha", load_ratio=0.5)
+    victim = int(sm.mlps[1].slot_ids[0])  # a neuron the load reads
+    assert verify(packed_copy, log=lambda s: None) == []
+    _corrupt_middle(packed_copy / FFN_FILE, info.start + victim * m.record_bytes + 8)
+    with pytest.raises(FormatError, match=r"ffn\.safetensors: checksum mismatch in layer 1"):
+        SelectiveModel(packed_copy, tiny_profiles["tiny-llama"], "alpha", load_ratio=0.5)
+    with pytest.raises(FormatError, match="checksum mismatch"):
+        load_dense(packed_copy)
+    problems = verify(packed_copy, log=lambda s: None)
+    assert len(problems) == 1 and "layer 1: 1 corrupt neuron record" in problems[0]
+
+
+def test_corrupt_other_tensor_is_refused(packed_copy):
+    tensors, _, _ = read_header(packed_copy / OTHER_FILE)
+    name, info = max(tensors.items(), key=lambda kv: kv[1].nbytes)
+    _corrupt_middle(packed_copy / OTHER_FILE, info.start + info.nbytes // 2)
+    with pytest.raises(FormatError, match=rf"model\.safetensors: checksum mismatch in tensor {name}"):
+        SelectiveModel(packed_copy)
