@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from action_msgs.msg import GoalStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / 'config'
@@ -97,6 +98,50 @@ def test_bringup_with_yaml_and_the_small_commands(tiny_llm, tmp_path):
         assert proc.wait(30) == 0, ''.join(out.lines)
         assert out.wait_for('[bringup] shutting down', 5.0)
     finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_goal_right_after_wait_for_server_then_ctrl_c_ends_it_with_a_reason(ros_context):
+    """On the embedded model with the shipped desktop.yaml: a client that sends as soon as
+    wait_for_server() returns is served (the server exists only once the model is loaded and the
+    node active); SIGINT to the bringup then ends the running goal within a few decode steps, and
+    its client receives the result with the reason."""
+    from rclpy.action import ActionClient
+    from rclpy.node import Node
+
+    from selectinfer_msgs.action import Generate
+
+    from conftest import GoalRun, SpinningExecutor
+    ns = f'llm_{uuid.uuid4().hex[:8]}'
+    proc = subprocess.Popen(
+        [sys.executable, '-m', 'selectinfer_ros.bringup', '--params', 'desktop.yaml',
+         '--namespace', ns], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=_env(), cwd=ROOT)
+    out = Lines(proc)
+    spinner = SpinningExecutor(ros_context)
+    node = Node('bt_like_client', namespace=ns, context=ros_context)
+    client = ActionClient(node, Generate, 'generate')
+    spinner.add_node(node)
+    spinner.start()
+    try:
+        assert client.wait_for_server(timeout_sec=120.0), ''.join(out.lines)
+        goal = Generate.Goal(prompt='Write a long story about a robot.', max_new_tokens=500)
+        run = GoalRun(client, goal, 10.0)
+        assert run.accepted, ''.join(out.lines)
+        assert run.wait_feedback(3, 30.0)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        run.wait(15.0)
+        assert time.monotonic() - t0 < 5.0
+        assert run.status == GoalStatus.STATUS_ABORTED
+        assert run.result.error_msg.startswith('node shutting down')
+        assert 3 <= run.result.generated_tokens < 500
+        assert proc.wait(30) == 0, ''.join(out.lines)
+    finally:
+        client.destroy()
+        spinner.stop()
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
