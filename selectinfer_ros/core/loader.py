@@ -100,28 +100,37 @@ def _rebuild_computed_buffers(model: nn.Module, config, device: torch.device) ->
 def _read_neurons(reader: CountingReader, start: int, record_bytes: int, ids: torch.Tensor,
                   sink: Callable[[torch.Tensor, torch.Tensor], None], src_dtype: torch.dtype,
                   hidden: int, sums: torch.Tensor, what: str) -> int:
-    """Read the records ``ids`` (any order) in coalesced runs, each checked against its checksum
-    in ``sums`` ``[I]``; ``sink(positions, records)`` receives positions into ``ids`` and the
+    """Read the records ``ids`` (any order) in coalesced runs of consecutive ids, several runs
+    per bounce-buffer fill; each fill is checked against the record checksums ``sums`` ``[I]``
+    in one pass, then ``sink(positions, records)`` receives positions into ``ids`` and the
     records ``[n, 3, H]``. Returns records read."""
     if ids.numel() == 0:
         return 0
     order = torch.argsort(ids)
-    sorted_ids = ids[order].tolist()
+    sorted_ids = ids[order]
+    idx = sorted_ids.tolist()
     per_chunk = max(1, BOUNCE_BYTES // record_bytes)
-    bounce = torch.empty(min(per_chunk, len(sorted_ids)) * record_bytes, dtype=torch.uint8)
+    bounce = torch.empty(min(per_chunk, len(idx)) * record_bytes, dtype=torch.uint8)
     i = 0
-    while i < len(sorted_ids):
-        j = i + 1
-        while j < len(sorted_ids) and j - i < per_chunk and sorted_ids[j] == sorted_ids[j - 1] + 1:
-            j += 1
-        n = j - i
+    while i < len(idx):
+        end = min(len(idx), i + per_chunk)  # one fill: records idx[i:end], run by run
+        j = i
+        while j < end:
+            k = j + 1
+            while k < end and idx[k] == idx[k - 1] + 1:
+                k += 1
+            reader.read_into(start + idx[j] * record_bytes,
+                             bounce[(j - i) * record_bytes:(k - i) * record_bytes])
+            j = k
+        n = end - i
         buf = bounce[: n * record_bytes]
-        reader.read_into(start + sorted_ids[i] * record_bytes, buf)
-        if not torch.equal(word_sums(buf.view(n, record_bytes)), sums[sorted_ids[i]:sorted_ids[i] + n]):
-            raise checksum_error(reader.path, f"{what}, neuron records {sorted_ids[i]}..{sorted_ids[j - 1]}")
-        sink(order[i:j], buf.view(src_dtype).view(n, 3, hidden))
-        i = j
-    return len(sorted_ids)
+        bad = word_sums(buf.view(n, record_bytes)) != sums.index_select(0, sorted_ids[i:end])
+        if bool(bad.any()):
+            first = idx[i + int(torch.nonzero(bad)[0])]
+            raise checksum_error(reader.path, f"{what}, neuron record {first}")
+        sink(order[i:end], buf.view(src_dtype).view(n, 3, hidden))
+        i = end
+    return len(idx)
 
 
 @dataclass
