@@ -68,6 +68,7 @@ class GoalJob:
         self.cancel_requested = cancel_requested
         self.on_start, self.on_text, self.on_done = on_start, on_text, on_done
         self.abort_reason: str | None = None  # set by drain/stop
+        self.refused: Rejected | None = None  # set when the goal cannot run (it is aborted)
         self.outcome: Outcome | None = None
 
 
@@ -400,6 +401,8 @@ class Server:
             return self._finish(job, Outcome("canceled", CANCELED, "canceled before it started"))
         if job.abort_reason is not None:
             return self._finish(job, Outcome("aborted", NO_MODEL, job.abort_reason))
+        if job.refused is not None:
+            return self._finish(job, Outcome("aborted", job.refused.code, job.refused.reason))
         if rt is None:
             return self._finish(job, Outcome("aborted", NO_MODEL, f"no model loaded ({self.state})"))
         try:

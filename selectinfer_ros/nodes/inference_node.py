@@ -75,7 +75,7 @@ def result_message(outcome: Outcome) -> Generate.Result:
 class _Goal:
     """A goal handle and its core job; feedback and results go through here."""
 
-    def __init__(self, gh, job_args, server: Server):
+    def __init__(self, gh, job_args):
         self.gh = gh
         self.started = False
         self.done = threading.Event()
@@ -239,21 +239,18 @@ class InferenceNode(LifecycleNodeMixin, Node):
 
     def _on_accepted(self, gh) -> None:
         goal = gh.request
-        rt = self.server.runtime
         try:
+            rt = self.server.runtime
             if rt is None:
                 raise Rejected("NO_MODEL", f"no model loaded ({self.server.state})")
             cfg, phi = goal_config(goal, self.settings, rt)
-        except Rejected as e:  # the model went away between accept and now
-            cfg, phi = None, 0.0
-            reason = e
-        g = _Goal(gh, (goal.prompt, cfg, goal.task, phi), self.server)
+            refused = None
+        except Rejected as e:  # validated a moment ago; only a vanished model gets here
+            cfg, phi, refused = None, 0.0, e
+        g = _Goal(gh, (goal.prompt, cfg, goal.task, phi))
+        g.job.refused = refused
         with self._lock:
             self._goals[bytes(gh.goal_id.uuid)] = g
-        if cfg is None:
-            g.job.outcome = Outcome("aborted", reason.code, reason.reason)
-            g._done(g.job.outcome)
-            return
         self.server.submit(g.job)
 
     def _on_cancel(self, gh) -> CancelResponse:
