@@ -121,6 +121,27 @@ def goal_config(goal, settings: InferenceSettings, rt):
     return cfg, phi
 
 
+def check_choices(goal, rt, prompt_tokens: int) -> None:
+    """GoalRejected(INVALID_GOAL, reason) when a goal's ``choices`` cannot be scored."""
+    from ..core.engine import validate_choices
+    if not goal.choices:
+        return
+    try:
+        validate_choices(list(goal.choices), rt.engine, prompt_tokens)
+    except ValueError as e:
+        raise GoalRejected(R.INVALID_GOAL, f"invalid choices: {e}") from None
+
+
+def choose_result(result, res) -> None:
+    """Fill a Generate.Result from a :class:`~selectinfer_ros.core.engine.ChoiceResult`."""
+    result.text, result.finish_reason = res.choice, "choice"
+    result.choice_index = res.index
+    result.choice_logprobs = [float(x) for x in res.logprobs]
+    result.choice_logprobs_normalized = [float(x) for x in res.logprobs_normalized]
+    result.prompt_tokens, result.generated_tokens = res.prompt_tokens, 0
+    result.time_to_first_token, result.tokens_per_second = res.seconds, 0.0
+
+
 class InferenceNode(Node):
     """The Generate action server over one loaded Runtime (see the module docstring)."""
 
@@ -253,7 +274,9 @@ class InferenceNode(Node):
             if rt is None:
                 raise GoalRejected(R.NO_MODEL, f"no model loaded ({self._model_state})")
             goal_config(goal, self.settings, rt)
-            self._check_prompt_length(goal, rt)
+            prompt_tokens = self._check_prompt_length(goal, rt)
+            if prompt_tokens is not None:
+                check_choices(goal, rt, prompt_tokens)
             with self._lock:
                 capacity = self.settings.queue_length + 1
                 if self._in_system >= capacity:
@@ -272,7 +295,7 @@ class InferenceNode(Node):
             self.get_logger().warning(f"goal rejected ({e.code}): {e.reason}")
             return GoalResponse.REJECT
 
-    def _check_prompt_length(self, goal, rt) -> None:
+    def _check_prompt_length(self, goal, rt) -> int | None:
         from ..core.engine import ContextLengthError
         limit = rt.engine.context_limit
         if len(goal.prompt) > limit * MAX_CHARS_PER_TOKEN:
@@ -283,13 +306,14 @@ class InferenceNode(Node):
         except ValueError as e:  # e.g. no chat template
             raise GoalRejected(R.INVALID_GOAL, str(e)) from None
         except Exception:  # noqa: BLE001 - tokenizer busy in the worker: it checks again
-            return
+            return None
         try:
             rt.engine.check_prompt(len(ids))
         except ContextLengthError as e:
             raise GoalRejected(R.PROMPT_TOO_LONG, str(e)) from None
         except ValueError as e:
             raise GoalRejected(R.INVALID_GOAL, str(e)) from None
+        return len(ids)
 
     def _on_accepted(self, goal_handle) -> None:
         job = _Job("goal", goal_handle)
@@ -319,7 +343,7 @@ class InferenceNode(Node):
 
     # ---- goal execution (worker thread) ---------------------------------------------------
     def _run_goal(self, job: _Job) -> None:
-        from ..core.engine import ContextLengthError
+        from ..core.engine import Canceled, ContextLengthError
         gh = job.goal_handle
         goal = gh.request
         rt = self._runtime
@@ -343,14 +367,22 @@ class InferenceNode(Node):
                 cfg, phi = goal_config(goal, self.settings, rt)
                 if goal.task and goal.task != rt.task:
                     self._switch(rt, goal.task, R.PROFILE_SWITCH_FAILED)
-                res = self._generate(gh, rt, goal.prompt, cfg)
-                m = res.metrics
-                result.text, result.finish_reason = res.text, res.finish_reason
-                result.prompt_tokens, result.generated_tokens = m.prompt_tokens, m.generated_tokens
-                result.time_to_first_token = m.time_to_first_token
-                result.tokens_per_second = m.tokens_per_second
+                if goal.choices:
+                    res = rt.choose(goal.prompt, list(goal.choices),
+                                    length_normalize=bool(goal.length_normalize),
+                                    compute_ratio=cfg.compute_ratio,
+                                    use_chat_template=cfg.use_chat_template,
+                                    cancel=lambda: gh.is_cancel_requested or self._stopping)
+                    choose_result(result, res)
+                else:
+                    res = self._generate(gh, rt, goal.prompt, cfg)
+                    m = res.metrics
+                    result.text, result.finish_reason = res.text, res.finish_reason
+                    result.prompt_tokens, result.generated_tokens = m.prompt_tokens, m.generated_tokens
+                    result.time_to_first_token = m.time_to_first_token
+                    result.tokens_per_second = m.tokens_per_second
                 result.profile, result.load_ratio, result.compute_ratio = rt.task, rt.load_ratio, phi
-                if res.finish_reason == "canceled":
+                if result.finish_reason == "canceled":
                     if gh.is_cancel_requested:
                         outcome = "canceled"
                         result.error_code, result.error_msg = R.CANCELED, "canceled by client"
@@ -360,6 +392,13 @@ class InferenceNode(Node):
                     outcome = "succeeded"
         except GoalRejected as e:
             result.error_code, result.error_msg = e.code, e.reason
+        except Canceled:
+            result.finish_reason = "canceled"
+            if gh.is_cancel_requested:
+                outcome = "canceled"
+                result.error_code, result.error_msg = R.CANCELED, "canceled by client"
+            else:
+                result.error_code, result.error_msg = R.UNKNOWN, "node shutting down"
         except ContextLengthError as e:
             result.error_code, result.error_msg = R.PROMPT_TOO_LONG, str(e)
         except ValueError as e:
