@@ -67,7 +67,7 @@ def _now() -> float:
 @dataclass
 class _Deadlines:
     server: float  # the goal response must come by then
-    result: float  # and the result by then
+    result: float  # and the result by then (reset when the goal is accepted)
 
 
 class GoalHandle:
@@ -117,6 +117,7 @@ class GoalHandle:
         with self._lock:
             self._goal_handle = gh
             self.accepted = bool(gh.accepted)
+            self._deadlines.result = _now() + self._result_timeout
             self.goal_id = bytes(gh.goal_id.uuid)
             cancel = self.accepted and self._cancel_requested
         if not gh.accepted:
