@@ -35,6 +35,12 @@ def shared_client(node, namespace: str = "llm") -> LLMClient:
     return per_node[namespace]
 
 
+def close_shared_clients(node) -> None:
+    """Destroy the clients :func:`shared_client` made on ``node`` (before destroying the node)."""
+    for client in _clients.pop(node, {}).values():
+        client.close()
+
+
 def _key(key: str) -> str:
     return key if key.startswith("/") else "/" + key
 
@@ -127,8 +133,10 @@ class Generate(_LLMBehaviour):
         if self.outcome is None:
             if self.handle is None or not self.handle.done():
                 fb = self.handle.feedback if self.handle is not None else None
-                self.feedback_message = (f"running: {fb.generated_tokens} tokens" if fb is not None
-                                         else "waiting for the server")
+                self.feedback_message = (
+                    f"running: {fb.generated_tokens} tokens" if fb is not None else
+                    "waiting for the goal response" if self.handle.accepted is None else
+                    "accepted, waiting for the answer")
                 return Status.RUNNING
             self.outcome = self.handle.result()
         return self._finish(self.outcome)

@@ -16,7 +16,7 @@ import time
 import py_trees
 from py_trees.common import Status
 
-from ..behaviours import Choose, Generate, SwitchProfile
+from ..behaviours import Choose, Generate, SwitchProfile, close_shared_clients
 
 ROOMS = ["kitchen", "hall", "dock"]
 NEXT_ROOM_PROMPT = (
@@ -83,17 +83,24 @@ def main(argv: list[str] | None = None) -> int:
         rclpy.shutdown(context=context)
         return 2
     executor.add_node(node)
-    spin = threading.Thread(target=executor.spin, daemon=True)
-    spin.start()
+
+    def spin() -> None:
+        try:
+            executor.spin()
+        except Exception:  # noqa: BLE001 - shutting down
+            pass
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
     try:
         deadline = time.monotonic() + args.timeout
-        last = ""
+        last: list = []
         while root.status in (Status.INVALID, Status.RUNNING) and time.monotonic() < deadline:
             tree.tick()
-            shown = py_trees.display.ascii_tree(root, show_status=True)
-            if shown != last:
-                print(shown, flush=True)
-                last = shown
+            states = [(b.name, b.status) for b in root.iterate()]
+            if states != last:  # print when a status changed (not on every streamed token)
+                print(py_trees.display.ascii_tree(root, show_status=True), flush=True)
+                last = states
             time.sleep(args.period)
         print(py_trees.display.unicode_blackboard())
         rc = 0 if root.status == Status.SUCCESS else 1
@@ -103,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         tree.shutdown()  # cancels a goal still running
         time.sleep(0.2)  # let the cancel request go out
         executor.shutdown(timeout_sec=3.0)
+        spinner.join(3.0)
+        close_shared_clients(node)
         node.destroy_node()
         if context.ok():
             rclpy.shutdown(context=context)
