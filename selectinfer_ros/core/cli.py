@@ -252,9 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_random)
 
-    from . import bench, evaluate
+    from . import bench, choice_eval, evaluate
     bench.register(sub)
     evaluate.register(sub)
+    choice_eval.register(sub)
     return ap
 
 

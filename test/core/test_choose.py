@@ -129,3 +129,23 @@ def test_cli_choices_prints_the_choice_and_json(tiny_models, tiny_profiles):
         [sys.executable, "-m", "selectinfer_ros.core.cli", "generate", "--model", str(packed),
          "--dense", "--choices", "w5,,w6", "w10"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "choice 1 is empty" in bad.stderr
+
+
+def test_free_text_parser_and_eval_rows(tiny_models, tmp_path):
+    from selectinfer_ros.core.choice_eval import DATA, parse_option, read_items, run_config, summarize
+    opts = ["goto(library)", "pick(pen)", "dock()"]
+    assert parse_option(" goto(library)\nInstruction:", opts) == "goto(library)"
+    assert parse_option(" I would dock() now, then pick(pen).", opts) == "dock()"
+    assert parse_option(" go(library)", opts) is None
+    items = read_items(DATA)
+    assert len(items) >= 40 and all(it["answer"] in it["options"] for it in items)
+    assert {it["task"] for it in items} == {"navigation", "scene"}
+    _, packed = tiny_models["tiny-llama"]
+    rt = Runtime(RuntimeOptions(model=str(packed), dense=True))
+    few = [{"prompt": "w5 w6", "options": ["w7", "w8 w9"], "answer": "w7"},
+           {"prompt": "w10 w11", "options": ["w12", "w13", "w14", "w15"], "answer": "w15"}]
+    rows = run_config(rt, few, max_new_tokens=3, dense=True)
+    assert [r["choice"] in it["options"] for r, it in zip(rows, few)] == [True, True]
+    s = summarize(few, rows, rows)
+    assert s["agreement_with_dense"] == 1.0 and s["items"] == 2
+    assert s["choice_accuracy"] == sum(r["choice"] == it["answer"] for r, it in zip(rows, few)) / 2
