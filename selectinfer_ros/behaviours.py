@@ -122,11 +122,13 @@ class Generate(_LLMBehaviour):
         self.outcome = None
         self.handle = None
         try:
-            prompt = self.render_prompt()
+            self.handle = self._send(self.render_prompt())
         except KeyError as e:
             self.outcome = Outcome("ERROR", error_msg=f"blackboard key not set: {e}")
             return
-        self.handle = self._send(prompt)
+        except ValueError as e:
+            self.outcome = Outcome("ERROR", error_msg=str(e))
+            return
         self.feedback_message = "goal sent"
 
     def update(self) -> Status:
@@ -191,6 +193,8 @@ class Choose(Generate):
     def _send(self, prompt: str) -> GoalHandle:
         choices = (list(self.blackboard.get(self.choices_key)) if self.choices_key is not None
                    else self.choices)
+        if not choices:
+            raise ValueError(f"no choices on {self.choices_key}")
         return self.client.choose_async(prompt, choices, server_timeout=self.server_timeout,
                                         timeout=self.result_timeout, **self.goal_options)
 

@@ -130,6 +130,8 @@ def check_choices(goal, rt, prompt_tokens: int) -> None:
         validate_choices(list(goal.choices), rt.engine, prompt_tokens)
     except ValueError as e:
         raise GoalRejected(R.INVALID_GOAL, f"invalid choices: {e}") from None
+    except Exception:  # noqa: BLE001 - tokenizer busy in the worker: Engine.choose checks again
+        return
 
 
 def choose_result(result, res) -> None:

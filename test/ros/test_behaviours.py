@@ -180,3 +180,35 @@ def test_invalid_choices_are_rejected_with_a_reason(embedded_graph):
     assert r.text == ['dock', 'kitchen'][r.choice_index]
     assert len(r.choice_logprobs) == len(r.choice_logprobs_normalized) == 2
     assert max(r.choice_logprobs) == r.choice_logprobs[r.choice_index]
+
+
+def test_blackboard_inputs_and_outcome_mapping(llm_graph):
+    """Tiny model: prompt and choices from blackboard keys, options mapped to FAILURE, and
+    a missing key or an empty choices list failing without a goal."""
+    from selectinfer_ros.behaviours import Choose, Generate
+    g = llm_graph().ready()
+    write('/question', 'w5 w6 w7')
+    write('/rooms', ['w8', 'w9 w10', 'w11'])
+    pick = Choose('pick', prompt_key='/question', choices_key='/rooms', namespace=g.namespace,
+                  choice_key='/room', index_key='/room_index',
+                  outcomes={'w8': Status.FAILURE, 'w9 w10': Status.FAILURE, 'w11': Status.FAILURE})
+    say = Generate('say', '{question} w12', namespace=g.namespace, text_key='/said',
+                   max_new_tokens=4)
+    root = py_trees.composites.Sequence('both', memory=True, children=[say, pick])
+    tree = setup_tree(g, root)
+    assert tick_until(tree, lambda: root.status != Status.RUNNING, 60.0)
+    assert pick.status == Status.FAILURE and say.status == Status.SUCCESS
+    assert read('/room') == ['w8', 'w9 w10', 'w11'][read('/room_index')]
+    assert read('/llm/error') == '' and read('/said') == say.outcome.text
+    assert g.node.runtime.stats.succeeded == 2
+
+    missing = Generate('missing', '{nowhere}', namespace=g.namespace)
+    write('/rooms', [])
+    empty = Choose('empty', 'w5', choices_key='/rooms', namespace=g.namespace)
+    for b in (missing, empty):
+        t = setup_tree(g, py_trees.composites.Sequence('s', memory=True, children=[b]))
+        t.tick()
+        assert b.status == Status.FAILURE and b.handle is None
+    assert 'blackboard key not set' in missing.feedback_message
+    assert 'no choices on /rooms' in empty.feedback_message
+    assert g.node.runtime.stats.succeeded == 2 and g.node.runtime.stats.rejected == 0
