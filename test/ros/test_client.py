@@ -66,7 +66,7 @@ def test_errors_are_data(llm_graph, wait_until):
     assert nobody.switch_profile('alpha', timeout=1.0).status == STATUS_NO_SERVER
 
     # a result that misses its timeout: TIMEOUT, and the goal is canceled on the server
-    slow = llm.generate('w5 w6', max_new_tokens=250, timeout=0.3)
+    slow = llm.generate('w5 w6', max_new_tokens=250, timeout=0.05)
     assert slow.status == STATUS_TIMEOUT and 'canceled' in slow.error_msg
     assert wait_until(lambda: g.node.runtime.stats.canceled == 1, 10.0)
 
