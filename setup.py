@@ -45,6 +45,7 @@ setup(
         'pyyaml',
         'safetensors',
         'transformers',
+        'py_trees',  # selectinfer_ros.behaviours only
     ],
     zip_safe=False,
     maintainer='selectinfer developers',
@@ -62,6 +63,7 @@ setup(
             'selectinfer_generate = selectinfer_ros.tools.generate:main',
             'selectinfer_switch = selectinfer_ros.tools.switch:main',
             'selectinfer_diagnostics = selectinfer_ros.tools.diagnostics:main',
+            'selectinfer_bt_patrol = selectinfer_ros.examples.bt_patrol:main',
         ],
     },
 )

@@ -20,15 +20,14 @@ import argparse
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 import rclpy
-from rclpy.action import ActionClient
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
+from .client import wait_future
 from .tools.common import init_context, ns_name
 
 CONFIG_NAMES = ("desktop.yaml", "jetson_orin_nano.yaml")
@@ -63,8 +62,7 @@ class Bringup:
     def __init__(self, params_file: str | Path | None = None, namespace: str = "llm",
                  overrides: dict | None = None, ros_args: list[str] | None = None,
                  num_threads: int = 8):
-        from selectinfer_msgs.action import Generate
-
+        from .client import LLMClient
         from .nodes.inference_node import InferenceNode
         from .nodes.profile_manager import ProfileManager
         args = ["selectinfer_bringup", "--ros-args"]
@@ -77,7 +75,7 @@ class Bringup:
         node_params = [Parameter(k, value=v) for k, v in overrides.items()]
         manager_params = [Parameter(k, value=v) for k, v in overrides.items()
                           if k in ("model", "profiles", "task")]
-        self.inference = self.manager = self.helper = self.generate_client = None
+        self.inference = self.manager = self.helper = self.llm = None
         try:
             self.inference = InferenceNode(namespace=namespace, context=self.context,
                                            parameter_overrides=node_params)
@@ -86,7 +84,7 @@ class Bringup:
             self.helper = Node("selectinfer_bringup", namespace=namespace, context=self.context)
             # Made before the helper spins (rclpy's ActionClient is not safe to create on a
             # node being spun: it registers itself before its lock exists).
-            self.generate_client = ActionClient(self.helper, Generate, "generate")
+            self.llm = LLMClient(self.helper, namespace)
         except Exception:
             self._destroy_nodes()
             rclpy.shutdown(context=self.context)
@@ -114,13 +112,10 @@ class Bringup:
                 raise RuntimeError(f"service {name} not available")
             req = ChangeState.Request()
             req.transition.id = transition_id
-            future = client.call_async(req)
-            deadline = time.monotonic() + timeout
-            while not future.done():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name}: no answer within {timeout:g} s")
-                time.sleep(0.02)
-            return bool(future.result().success)
+            try:
+                return bool(wait_future(client.call_async(req), timeout).success)
+            except TimeoutError:
+                raise TimeoutError(f"{name}: no answer within {timeout:g} s") from None
         finally:
             self.helper.destroy_client(client)
 
@@ -141,9 +136,9 @@ class Bringup:
             raise RuntimeError("profile_manager refused to activate (see its log)")
 
     def _destroy_nodes(self) -> None:
-        if self.generate_client is not None:
-            self.generate_client.destroy()
-            self.generate_client = None
+        if self.llm is not None:
+            self.llm.close()
+            self.llm = None
         for node in (self.helper, self.manager, self.inference):
             if node is not None:
                 node.destroy_node()

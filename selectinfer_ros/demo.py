@@ -15,22 +15,9 @@ import threading
 import time
 
 
-def _wait(future, timeout: float):
-    deadline = time.monotonic() + timeout
-    while not future.done():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no answer within {timeout:g} s")
-        time.sleep(0.01)
-    return future.result()
-
-
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("SELECTINFER_QUIET", "1")
-    from action_msgs.msg import GoalStatus
     from diagnostic_msgs.msg import DiagnosticArray
-
-    from selectinfer_msgs.action import Generate
-    from selectinfer_msgs.srv import SwitchProfile
 
     from .bringup import Bringup, add_arguments, overrides_from_args, resolve_params_file
     from .nodes.diagnostics import format_array
@@ -69,28 +56,26 @@ def main(argv: list[str] | None = None) -> int:
         client_node = bringup.helper
 
         # ---- a Generate goal, streamed -------------------------------------------------------
-        action = bringup.generate_client
-        if not action.wait_for_server(timeout_sec=10.0):
+        llm = bringup.llm
+        if not llm.wait_for_server(10.0):
             raise RuntimeError("generate action server not found")
         task = rt.task
         say(f"[2/4] goal on {node.get_namespace()}/generate (task {task!r}): {args.prompt!r}")
         out.write("      >>> " + args.prompt)
         out.flush()
-        goal = Generate.Goal(prompt=args.prompt, task=task, max_new_tokens=args.max_new_tokens,
-                             stop=["\n\n"])
 
-        def on_feedback(msg):
-            out.write(msg.feedback.text_delta.replace("\n", "\n          "))
+        def on_feedback(fb):
+            out.write(fb.text_delta.replace("\n", "\n          "))
             out.flush()
 
-        handle = _wait(action.send_goal_async(goal, feedback_callback=on_feedback), 10.0)
-        if not handle.accepted:
-            raise RuntimeError("goal rejected")
-        response = _wait(handle.get_result_async(), 600.0)
+        outcome = llm.generate_async(args.prompt, on_feedback=on_feedback, task=task,
+                                     max_new_tokens=args.max_new_tokens, stop=["\n\n"]).wait(600.0)
         time.sleep(0.05)
         out.write("\n")
-        say("      " + format_result(response.status, response.result))
-        if response.status != GoalStatus.STATUS_SUCCEEDED:
+        if outcome.result is None:
+            raise RuntimeError(f"{outcome.status}: {outcome.error_msg}")
+        say("      " + format_result(outcome.status, outcome.result))
+        if not outcome.ok:
             raise RuntimeError("the goal did not succeed")
 
         # ---- one profile switch ----------------------------------------------------------------
@@ -101,12 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             say("[3/4] only one task profile is installed: no switch to show")
         else:
             say(f"[3/4] switch_profile {rt.task!r} -> {target!r} (base-neuron reload)")
-            switch = client_node.create_client(SwitchProfile, "switch_profile")
-            if not switch.wait_for_service(timeout_sec=10.0):
-                raise RuntimeError("switch_profile service not found")
-            resp = _wait(switch.call_async(SwitchProfile.Request(task=target)), 300.0)
-            if not resp.success:
-                raise RuntimeError(f"switch refused: {resp.message}")
+            switched = llm.switch_profile(target, 300.0)
+            if not switched.ok:
+                raise RuntimeError(f"switch refused: {switched.status}: {switched.error_msg}")
+            resp = switched.result
             rep = rt.last_switch
             share = resp.bytes_read / rt.bytes_read if rt.bytes_read else 0.0
             say(f"      active {resp.active_task!r}: reload {resp.reload_seconds:.3f} s, "

@@ -104,18 +104,59 @@ def result_json(rt, res, prompt: str | None = None) -> dict:
     return out
 
 
+def choice_json(rt, res, prompt: str | None = None) -> dict:
+    out = {"text": res.choice, "choice_index": res.index, "choices": res.choices,
+           "choice_logprobs": res.logprobs, "choice_logprobs_normalized": res.logprobs_normalized,
+           "choice_tokens": res.token_counts, "length_normalize": res.length_normalize,
+           "prompt_tokens": res.prompt_tokens, "prefill_seconds": res.prefill_seconds,
+           "seconds": res.seconds, "task": rt.task, "load_ratio": rt.load_ratio,
+           "compute_ratio": rt.compute_ratio, "model_id": rt.model_id}
+    if prompt is not None:
+        out["prompt"] = prompt
+    return out
+
+
+def parse_choices(arg: str | None) -> list[str]:
+    """``a,b,c`` -> ``['a', 'b', 'c']`` (whitespace around each choice dropped)."""
+    return [c.strip() for c in arg.split(",")] if arg else []
+
+
+def _choose(rt, args, prompt: str, choices: list[str], task: str = ""):
+    return rt.choose(prompt, choices, length_normalize=args.length_normalize,
+                     use_chat_template=args.chat, task=task)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from .profiler import read_jsonl
     rt = runtime_from_args(args, dense=args.dense)
+    choices = [_text(args, c) for c in parse_choices(args.choices)]
     if args.prompts:
         for rec in read_jsonl(args.prompts):
             prompt = rec.get("prompt", rec.get("text"))
+            options = rec.get("choices", rec.get("options")) or choices
+            if options:
+                res = _choose(rt, args, prompt, options, rec.get("task", ""))
+                print(json.dumps(choice_json(rt, res, prompt)), flush=True)
+                continue
             res = rt.generate(prompt, _gen_config(args), task=rec.get("task", ""))
             print(json.dumps(result_json(rt, res, prompt)), flush=True)
         return 0
     if args.prompt is None:
         print("selectinfer generate: give a prompt or --prompts FILE.jsonl", file=sys.stderr)
         return 2
+    if choices:
+        res = _choose(rt, args, _text(args, args.prompt), choices)
+        if args.json:
+            print(json.dumps(choice_json(rt, res)))
+            return 0
+        print(res.choice)
+        for i, (c, lp, nl) in enumerate(zip(res.choices, res.logprobs, res.logprobs_normalized)):
+            mark = "*" if i == res.index else " "
+            print(f"{mark} {i}: {c!r} logprob {lp:.3f} (per token {nl:.3f})", file=sys.stderr)
+        print(f"--\nprompt_tokens={res.prompt_tokens} prefill={res.prefill_seconds:.3f}s "
+              f"total={res.seconds:.3f}s task={rt.task or '-'} gamma={rt.load_ratio} "
+              f"phi={rt.compute_ratio}", file=sys.stderr)
+        return 0
     stream = None if args.json else (lambda s, n: print(s, end="", flush=True))
     res = rt.generate(_text(args, args.prompt), _gen_config(args), on_text=stream)
     if args.json:
@@ -192,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="apply the chat template")
     p.add_argument("--no-escape", action="store_true", help="keep \\n, \\t, \\xHH ... in the "
                    "prompt and stop strings as typed (default: turn them into the characters)")
+    p.add_argument("--choices", help="comma-separated options: print the most likely one "
+                   "(JSONL records may carry their own \"choices\" list)")
+    p.add_argument("--length-normalize", action="store_true",
+                   help="rank choices by mean log-prob per token (default: total)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("verify", help="check every neuron record and tensor of a packed model "
@@ -206,9 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_random)
 
-    from . import bench, evaluate
+    from . import bench, choice_eval, evaluate
     bench.register(sub)
     evaluate.register(sub)
+    choice_eval.register(sub)
     return ap
 
 

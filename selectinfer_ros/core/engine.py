@@ -6,6 +6,7 @@ ones; decode computes only the active prefix).
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import threading
 import time
@@ -72,6 +73,71 @@ def encode(tok, prompt: str, use_chat_template: bool = False) -> list[int]:
             ids = ids["input_ids"]
         return list(ids)
     return tok(prompt)["input_ids"]
+
+
+MAX_CHOICES = 64
+# Logit elements one output-layer call of Engine.choose may produce (float32: 64 MiB).
+CHOICE_LOGITS_BUDGET = 16 * 2**20
+# Bytes the prompt's KV cache may take once repeated for the rows of one choices forward.
+CHOICE_CACHE_BUDGET = 256 * 2**20
+# A choice this many characters per context token is refused before tokenizing it.
+MAX_CHOICE_CHARS_PER_TOKEN = 100
+
+
+@dataclass
+class ChoiceResult:
+    """What :meth:`Engine.choose` found: the chosen index and every choice's scores."""
+
+    choices: list[str]
+    index: int
+    logprobs: list[float]  # total log-prob of each choice's tokens given the prompt
+    logprobs_normalized: list[float]  # that total / the choice's token count
+    token_counts: list[int]
+    length_normalize: bool  # which of the two ranked the choices
+    prompt_tokens: int
+    prefill_seconds: float
+    seconds: float  # the whole request: tokenizing, prefill, scoring
+
+    @property
+    def choice(self) -> str:
+        return self.choices[self.index]
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes of a DynamicCache's keys and values (0 when its layout is unknown)."""
+    layers = getattr(cache, "layers", None)
+    tensors = ([t for layer in layers for t in (getattr(layer, "keys", None),
+                                                 getattr(layer, "values", None))]
+               if layers is not None else
+               list(getattr(cache, "key_cache", [])) + list(getattr(cache, "value_cache", [])))
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def validate_choices(choices: list[str], engine: "Engine", prompt_tokens: int = 0,
+                     token_ids: list[list[int]] | None = None) -> None:
+    """None when ``choices`` can be scored after a prompt of ``prompt_tokens`` tokens; otherwise
+    ValueError with the reason: none given, more than MAX_CHOICES, an empty or duplicate choice,
+    or a choice that does not fit the context after the prompt."""
+    if not choices:
+        raise ValueError("no choices given")
+    if len(choices) > MAX_CHOICES:
+        raise ValueError(f"{len(choices)} choices; at most {MAX_CHOICES} are allowed")
+    room = engine.context_limit - prompt_tokens
+    seen: dict[str, int] = {}
+    for i, c in enumerate(choices):
+        if not c or not c.strip():
+            raise ValueError(f"choice {i} is empty")
+        if c in seen:
+            raise ValueError(f"choice {i} {c!r} repeats choice {seen[c]}")
+        seen[c] = i
+        if len(c) > engine.context_limit * MAX_CHOICE_CHARS_PER_TOKEN:
+            raise ValueError(f"choice {i} has {len(c)} characters; the context limit is "
+                             f"{engine.context_limit} tokens")
+        # without the ids: one token more for the space choose() may put in front
+        n = len(token_ids[i]) if token_ids is not None else len(engine.choice_ids(None, c)) + 1
+        if n > room:
+            raise ValueError(f"choice {i} has {n} tokens; after the prompt's {prompt_tokens} "
+                             f"tokens the context ({engine.context_limit}) leaves {max(room, 0)}")
 
 
 def _stop_hold(text: str, stops: list[str]) -> int:
@@ -247,6 +313,126 @@ class Engine:
             finally:
                 if self.state is not None:
                     self.state.prefill = True
+
+    @torch.inference_mode()
+    def choose(self, prompt: str | list[int], choices: list[str], *,
+               length_normalize: bool = False, compute_ratio: float | None = None,
+               use_chat_template: bool = False,
+               cancel: Callable[[], bool] | None = None) -> ChoiceResult:
+        """The choice with the highest log-likelihood after ``prompt``.
+
+        One prefill of the prompt (selection as in :meth:`generate`), then every choice scored
+        teacher-forced through the decode path (active neurons only), all choices in one batched
+        forward over copies of the prompt's cache (right-padded: causal attention never lets a
+        choice token see the padding). Each choice is scored as the text that follows the prompt,
+        with a space between them when neither supplies whitespace. Raises :class:`Canceled` when
+        ``cancel()`` turns true, ValueError (see :func:`validate_choices`) for invalid choices.
+        """
+        with self._lock:
+            sm = self.selective
+            restore = None
+            if sm is not None and compute_ratio is not None and compute_ratio != sm.compute_ratio:
+                restore = sm.compute_ratio
+                sm.set_compute_ratio(compute_ratio)
+            try:
+                return self._choose(prompt, list(choices), length_normalize, use_chat_template,
+                                    cancel)
+            finally:
+                if restore is not None:
+                    sm.set_compute_ratio(restore)
+
+    def choice_ids(self, prompt_text: str | None, choice: str) -> list[int]:
+        """Token ids of ``choice`` as it follows ``prompt_text`` (see :meth:`choose`)."""
+        if prompt_text is not None and prompt_text[-1:].strip() and choice[:1].strip():
+            choice = " " + choice
+        return self.tokenizer(choice, add_special_tokens=False)["input_ids"]
+
+    def _choose(self, prompt, choices, length_normalize, use_chat_template, cancel) -> ChoiceResult:
+        t0 = time.perf_counter()
+        ids = prompt if isinstance(prompt, list) else self.encode(prompt, use_chat_template)
+        self.check_prompt(len(ids))
+        text = None if isinstance(prompt, list) else (
+            prompt if not use_chat_template else self.tokenizer.decode(ids))
+        conts = [self.choice_ids(text, c) for c in choices]
+        validate_choices(choices, self, len(ids), conts)
+        if cancel is not None and cancel():
+            raise Canceled
+        cache = DynamicCache(config=self.model.config)
+        kw = {self._cache_kw: cache, "use_cache": True}
+        input_ids = torch.tensor([ids], device=self.device)
+        if self.state is not None:
+            bos = self.tokenizer.bos_token_id
+            self.state.token_weight = (input_ids[0] != bos).float() if bos is not None else None
+            self.state.prefill = True
+        try:
+            first = self.model(input_ids, logits_to_keep=1, **kw).logits[0, -1].float()
+            t_prefill = time.perf_counter() - t0
+            if self.state is not None:
+                self.state.prefill = False
+            first_lp = torch.log_softmax(first, dim=-1).cpu()
+            totals = [float(first_lp[c[0]]) for c in conts]
+            longest = max(len(c) for c in conts)
+            if longest > 1:
+                if cancel is not None and cancel():
+                    raise Canceled
+                rest = self._score_rest(cache, conts)
+                totals = [t + r for t, r in zip(totals, rest)]
+        finally:
+            if self.state is not None:
+                self.state.prefill = True
+        normalized = [t / len(c) for t, c in zip(totals, conts)]
+        key = normalized if length_normalize else totals
+        index = max(range(len(choices)), key=key.__getitem__)
+        return ChoiceResult(choices, index, totals, normalized, [len(c) for c in conts],
+                            length_normalize, len(ids), t_prefill, time.perf_counter() - t0)
+
+    def _score_rest(self, cache, conts: list[list[int]]) -> list[float]:
+        """Summed log-probs of every choice's tokens after its first, teacher-forced on the decode
+        path. Choices that share a prefix share its logits: the output layer (the 262k-token
+        matmul of the embedded model) runs once per distinct prefix, not once per position."""
+        prefixes: dict[tuple[int, ...], int] = {}  # prefix -> row of the logits after it
+        for c in conts:
+            for j in range(1, len(c)):
+                prefixes.setdefault(tuple(c[:j]), len(prefixes))
+        # rows: the longest prefixes; the shorter ones are their own prefixes
+        rows = [p for p in prefixes if not any(q[:len(p)] == p and len(q) > len(p) for q in prefixes)]
+        rows.sort(key=len, reverse=True)
+        where: dict[tuple[int, ...], tuple[int, int]] = {}
+        for r, p in enumerate(rows):
+            for j in range(1, len(p) + 1):
+                where.setdefault(p[:j], (r, j - 1))
+        order = list(prefixes)
+        vocab = self.model.config.vocab_size
+        per = max(1, CHOICE_LOGITS_BUDGET // vocab)  # prefixes per output-layer chunk
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        inp = torch.full((len(rows), len(rows[0])), pad, dtype=torch.long)
+        for r, p in enumerate(rows):
+            inp[r, :len(p)] = torch.tensor(p)
+        # the prompt's cache is repeated per row: rows in chunks that keep the copies bounded
+        per_rows = max(1, CHOICE_CACHE_BUDGET // max(1, _cache_bytes(cache)))
+        hidden = []
+        for lo in range(0, len(rows), per_rows):
+            n = min(per_rows, len(rows) - lo)
+            batch = cache if lo + n >= len(rows) else copy.deepcopy(cache)
+            batch.batch_repeat_interleave(n)
+            body = self.model.model(inp[lo:lo + n].to(self.device),
+                                    **{self._cache_kw: batch, "use_cache": True})
+            hidden.append(body.last_hidden_state)  # [n, L, H], final norm applied
+        hidden = torch.cat(hidden)
+        rr = torch.tensor([where[p][0] for p in order])
+        jj = torch.tensor([where[p][1] for p in order])
+        h = hidden[rr.to(self.device), jj.to(self.device)]  # [prefixes, H]
+        head = self.model.get_output_embeddings()
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        lps = []
+        for lo in range(0, len(order), per):
+            logits = head(h[lo:lo + per]).float()
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            lps.append(torch.log_softmax(logits, dim=-1).cpu())
+        lp = torch.cat(lps)  # [prefixes, V]
+        return [sum(float(lp[prefixes[tuple(c[:j])], c[j]]) for j in range(1, len(c)))
+                for c in conts]
 
     @staticmethod
     def _sample(logits: torch.Tensor, config: GenerationConfig, history: torch.Tensor,

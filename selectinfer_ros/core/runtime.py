@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .engine import Engine, GenerationConfig, GenerationResult
+from .engine import ChoiceResult, Engine, GenerationConfig, GenerationResult
 from .loader import SelectiveModel, SwitchReport, load_dense, load_ratio_for_budget, resolve_dtype
 from .metrics import (RunningStats, cuda_allocated_bytes, peak_rss_bytes, process_rss_bytes,
                       system_available_bytes)
@@ -94,6 +94,17 @@ class Runtime:
             result = self.engine.generate(prompt, config, on_text, cancel)
             self.stats.record(result.metrics)
             return result
+
+    def choose(self, prompt: str | list[int], choices: list[str], *, length_normalize: bool = False,
+               compute_ratio: float | None = None, use_chat_template: bool = False,
+               cancel: Callable[[], bool] | None = None, task: str = "") -> ChoiceResult:
+        """:meth:`Engine.choose`, switching to ``task`` first when it differs from the active one."""
+        with self._lock:
+            if task and task != self.task:
+                self._switch(task)
+            return self.engine.choose(prompt, choices, length_normalize=length_normalize,
+                                      compute_ratio=compute_ratio,
+                                      use_chat_template=use_chat_template, cancel=cancel)
 
     def switch_task(self, task: str) -> SwitchReport:
         """Reload base neurons for ``task`` (waits for a generation in flight)."""

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .engine import ContextLengthError, GenerationConfig, GenerationResult, encode
+from .engine import (Canceled, ChoiceResult, ContextLengthError, GenerationConfig,
+                     GenerationResult, encode, validate_choices)
 from .loader import SwitchReport, check_ratios
 from .options import NodeSettings
 from .safetensors_io import FormatError
@@ -33,6 +34,7 @@ GENERATION_FAILED, NO_MODEL, CANCELED = "GENERATION_FAILED", "NO_MODEL", "CANCEL
 # A prompt with more characters than this per context token is refused before tokenizing it
 # (the goal callback must answer at once, even for an absurd prompt).
 MAX_CHARS_PER_TOKEN = 100
+MAX_CHOICES_CHECKED = 64  # more choices than this are refused before tokenizing any
 
 
 class Rejected(Exception):
@@ -52,6 +54,7 @@ class Outcome:
     code: str = NONE
     message: str = ""
     result: GenerationResult | None = None
+    choice: ChoiceResult | None = None  # a choices goal's answer
     task: str = ""
     load_ratio: float = 0.0
     compute_ratio: float = 0.0
@@ -63,8 +66,11 @@ class GoalJob:
 
     def __init__(self, prompt: str, config: GenerationConfig, task: str, compute_ratio: float,
                  cancel_requested: Callable[[], bool], on_start: Callable[[], None],
-                 on_text: Callable[[str, int], None], on_done: Callable[[Outcome], None]):
+                 on_text: Callable[[str, int], None], on_done: Callable[[Outcome], None],
+                 choices: list[str] | None = None, length_normalize: bool = False):
         self.prompt, self.config, self.task, self.compute_ratio = prompt, config, task, compute_ratio
+        self.choices = list(choices or [])  # non-empty: answer with the most likely one
+        self.length_normalize = length_normalize
         self.cancel_requested = cancel_requested
         self.on_start, self.on_text, self.on_done = on_start, on_text, on_done
         self.abort_reason: str | None = None  # set by drain/stop
@@ -283,6 +289,26 @@ class Server:
             raise Rejected(INVALID_GOAL, str(e)) from None
         return len(ids)
 
+    def check_choices(self, choices: list[str], prompt_tokens: int) -> None:
+        """Rejected(INVALID_GOAL) when ``choices`` cannot be scored after a prompt of
+        ``prompt_tokens`` tokens (at most 64, none empty or repeated, each fits the context);
+        tokenizes with the goal callbacks' own tokenizer."""
+        rt = self.runtime
+        if rt is None:
+            raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
+        with self._check_lock:
+            tok = self._check_tokenizer
+            if tok is None:
+                raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
+            try:
+                # + 1 token: the space Engine.choose may put between prompt and choice
+                ids = [tok(c, add_special_tokens=False)["input_ids"] + [0]
+                       for c in choices[:MAX_CHOICES_CHECKED]]
+                validate_choices(list(choices), rt.engine, prompt_tokens, ids
+                                 if len(choices) <= MAX_CHOICES_CHECKED else None)
+            except ValueError as e:
+                raise Rejected(INVALID_GOAL, f"invalid choices: {e}") from None
+
     def admit(self) -> None:
         """Reserve a place for one goal, or Rejected (not serving, no model, queue full)."""
         with self._lock:
@@ -405,11 +431,22 @@ class Server:
             return self._finish(job, Outcome("aborted", job.refused.code, job.refused.reason))
         if rt is None:
             return self._finish(job, Outcome("aborted", NO_MODEL, f"no model loaded ({self.state})"))
+        stop = lambda: job.cancel_requested() or job.abort_reason is not None  # noqa: E731
         try:
             if job.task and job.task != rt.task:
                 self._switch(rt, job.task)
-            res = rt.generate(job.prompt, job.config, on_text=job.on_text,
-                              cancel=lambda: job.cancel_requested() or job.abort_reason is not None)
+            if job.choices:
+                choice = rt.choose(job.prompt, job.choices, length_normalize=job.length_normalize,
+                                   compute_ratio=job.config.compute_ratio,
+                                   use_chat_template=job.config.use_chat_template, cancel=stop)
+                return self._finish(job, Outcome("succeeded", choice=choice, task=rt.task,
+                                                 load_ratio=float(rt.load_ratio),
+                                                 compute_ratio=job.compute_ratio))
+            res = rt.generate(job.prompt, job.config, on_text=job.on_text, cancel=stop)
+        except Canceled:
+            if job.cancel_requested():
+                return self._finish(job, Outcome("canceled", CANCELED, "canceled by client"))
+            return self._finish(job, Outcome("aborted", NO_MODEL, str(job.abort_reason)))
         except Rejected as e:
             return self._finish(job, Outcome("aborted", e.code, e.reason))
         except ContextLengthError as e:

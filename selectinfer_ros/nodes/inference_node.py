@@ -61,6 +61,13 @@ def result_message(outcome: Outcome) -> Generate.Result:
     r = R(error_code=getattr(R, outcome.code), error_msg=outcome.message,
           profile=outcome.task, load_ratio=float(outcome.load_ratio),
           compute_ratio=float(outcome.compute_ratio))
+    if outcome.choice is not None:
+        c = outcome.choice
+        r.text, r.finish_reason, r.choice_index = c.choice, "choice", c.index
+        r.choice_logprobs = [float(x) for x in c.logprobs]
+        r.choice_logprobs_normalized = [float(x) for x in c.logprobs_normalized]
+        r.prompt_tokens, r.time_to_first_token = c.prompt_tokens, c.seconds
+        return r
     res = outcome.result
     if res is None:
         r.finish_reason = "canceled" if outcome.status == "canceled" else "error"
@@ -75,13 +82,14 @@ def result_message(outcome: Outcome) -> Generate.Result:
 class _Goal:
     """A goal handle and its core job; feedback and results go through here."""
 
-    def __init__(self, gh, job_args):
+    def __init__(self, gh, job_args, choices: list[str], length_normalize: bool):
         self.gh = gh
         self.started = False
         self.done = threading.Event()
         self.t_first = 0.0
         self.job = GoalJob(*job_args, cancel_requested=lambda: gh.is_cancel_requested,
-                           on_start=self._start, on_text=self._feedback, on_done=self._done)
+                           on_start=self._start, on_text=self._feedback, on_done=self._done,
+                           choices=choices, length_normalize=length_normalize)
 
     def _start(self) -> None:
         self.started = True
@@ -229,7 +237,9 @@ class InferenceNode(LifecycleNodeMixin, Node):
             if rt is None:
                 raise Rejected("NO_MODEL", f"no model loaded ({self.server.state})")
             goal_config(goal, self.settings, rt)
-            self.server.check_prompt(goal.prompt, bool(goal.use_chat_template))
+            tokens = self.server.check_prompt(goal.prompt, bool(goal.use_chat_template))
+            if goal.choices:
+                self.server.check_choices(list(goal.choices), tokens)
             self.server.admit()
             return GoalResponse.ACCEPT
         except Rejected as e:
@@ -247,7 +257,8 @@ class InferenceNode(LifecycleNodeMixin, Node):
             refused = None
         except Rejected as e:  # validated a moment ago; only a vanished model gets here
             cfg, phi, refused = None, 0.0, e
-        g = _Goal(gh, (goal.prompt, cfg, goal.task, phi))
+        g = _Goal(gh, (goal.prompt, cfg, goal.task, phi), list(goal.choices),
+                  bool(goal.length_normalize))
         g.job.refused = refused
         with self._lock:
             self._goals[bytes(gh.goal_id.uuid)] = g

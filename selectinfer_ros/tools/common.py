@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import rclpy
 from rclpy.context import Context
@@ -33,13 +32,11 @@ def ns_name(namespace: str, name: str) -> str:
 class RosClient:
     """``with RosClient('name') as c: ...``: a node spun by a background executor thread."""
 
-    def __init__(self, name: str, args: list[str] | None = None, before_spin=None):
-        """``before_spin(node)`` runs before the node is spun (its result is ``self.prepared``):
-        create action clients there, since rclpy's ActionClient registers itself with its node
-        before its lock exists and a spinning executor may touch it in between."""
+    def __init__(self, name: str, args: list[str] | None = None):
+        """(Action clients: use :class:`selectinfer_ros.client.LLMClient`, made before its node
+        spins.)"""
         self.context = init_context(args)
         self.node = Node(f"{name}_{os.getpid()}", context=self.context)
-        self.prepared = before_spin(self.node) if before_spin is not None else None
         self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
         self.executor.add_node(self.node)
         self._thread = threading.Thread(target=self._spin, daemon=True)
@@ -50,16 +47,6 @@ class RosClient:
             self.executor.spin()
         except Exception:  # noqa: BLE001 - shutting down
             pass
-
-    @staticmethod
-    def wait(future, timeout: float):
-        """The future's result, or None after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while not future.done():
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.01)
-        return future.result()
 
     def close(self) -> None:
         self.executor.shutdown(timeout_sec=3.0)
@@ -92,9 +79,19 @@ def status_name(status: int) -> str:
     return names.get(status, f"status {status}")
 
 
-def format_result(status: int, r) -> str:
-    """One line about a Generate result."""
-    line = (f"{status_name(status)}: finish={r.finish_reason or '-'}, {r.generated_tokens} tokens "
+def format_result(status: int | str, r) -> str:
+    """One line about a Generate result (``status``: a GoalStatus value or an Outcome status)."""
+    if r is None:
+        return f"{status}: no result"
+    name = status if isinstance(status, str) else status_name(status)
+    if r.choice_index >= 0:
+        scores = ", ".join(f"{lp:.2f}" for lp in r.choice_logprobs)
+        return (f"{name}: choice {r.choice_index} {r.text!r} (log-probs {scores}; per token "
+                f"{', '.join(f'{lp:.2f}' for lp in r.choice_logprobs_normalized)}), prompt "
+                f"{r.prompt_tokens} tokens, answered after {r.time_to_first_token:.2f} s, profile "
+                f"{r.profile or '-'}, load_ratio {r.load_ratio:.2f}, compute_ratio "
+                f"{r.compute_ratio:.2f}")
+    line = (f"{name}: finish={r.finish_reason or '-'}, {r.generated_tokens} tokens "
             f"(prompt {r.prompt_tokens}), {r.tokens_per_second:.2f} tok/s, first token after "
             f"{r.time_to_first_token:.2f} s, profile {r.profile or '-'}, load_ratio "
             f"{r.load_ratio:.2f}, compute_ratio {r.compute_ratio:.2f}")

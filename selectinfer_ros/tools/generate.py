@@ -2,12 +2,14 @@ r"""Send a Generate goal and print the streamed text and the result (no ros2cli 
 
     python -m selectinfer_ros.tools.generate "The three primary colors are" --task qa
     python -m selectinfer_ros.tools.generate "Question: What is the capital of France?\nAnswer:"
+    python -m selectinfer_ros.tools.generate "The battery is empty. The robot goes to the" \
+        --choices kitchen,hall,dock
 
-Escape sequences in the prompt and stop strings (``\n``, ``\t``, ``\xHH`` ...) become the
-characters they name, as llama.cpp does; ``--no-escape`` keeps the text as typed.
+Escape sequences in the prompt, stop strings and choices (``\n``, ``\t``, ``\xHH`` ...) become
+the characters they name, as llama.cpp does; ``--no-escape`` keeps the text as typed.
 
-Exit status 0 when the goal SUCCEEDED; 1 when it was rejected, aborted or canceled; 2 when the
-server was not found. Ctrl-C cancels the goal and prints the partial text.
+Exit status 0 when the goal SUCCEEDED; 1 when it was rejected, aborted, canceled or timed out;
+2 when the server was not found. Ctrl-C cancels the goal and prints the partial text.
 """
 from __future__ import annotations
 
@@ -15,20 +17,23 @@ import argparse
 import sys
 import time
 
-from .common import RosClient, format_result, ns_name
+from .common import format_result
 
 
-def build_goal(args):
-    from selectinfer_msgs.action import Generate
-
+def text_of(args, text: str) -> str:
+    """A string from the command line, escape sequences processed unless --no-escape."""
     from ..core.escapes import process_escapes
-    text = (lambda s: s) if args.no_escape else process_escapes
-    return Generate.Goal(
-        prompt=text(args.prompt), task=args.task, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed,
-        stop=[text(s) for s in args.stop], use_chat_template=args.chat,
-        compute_ratio=args.compute_ratio)
+    return text if args.no_escape else process_escapes(text)
+
+
+def goal_options(args) -> dict:
+    """The Generate goal fields the options give (for LLMClient)."""
+    return dict(task=args.task, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                seed=args.seed, stop=[text_of(args, s) for s in args.stop],
+                use_chat_template=args.chat, compute_ratio=args.compute_ratio,
+                choices=[text_of(args, c.strip()) for c in args.choices.split(",")]
+                if args.choices else [], length_normalize=args.length_normalize)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -46,54 +51,51 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat", action="store_true", help="apply the model's chat template")
     ap.add_argument("--compute-ratio", type=float, default=0.0, help="0 = the node's default")
     ap.add_argument("--no-escape", action="store_true",
-                    help="keep \\n, \\t, \\xHH ... in the prompt and stop strings as typed")
+                    help="keep \\n, \\t, \\xHH ... in the prompt, stop strings and choices as typed")
+    ap.add_argument("--choices", default="", help="comma-separated options: answer with one")
+    ap.add_argument("--length-normalize", action="store_true",
+                    help="rank choices by mean log-prob per token")
     ap.add_argument("--namespace", default="llm")
     ap.add_argument("--server-timeout", type=float, default=10.0,
-                    help="seconds to wait for the action server")
+                    help="seconds to wait for the action server and the goal response")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the result")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rclpy.action import ActionClient
-
-    from selectinfer_msgs.action import Generate
+    from ..client import STATUS_NO_SERVER, STATUS_REJECTED, STATUS_TIMEOUT, LLMClient
     args = parser().parse_args(argv)
     out = sys.stdout
-    name = ns_name(args.namespace, "generate")
-    with RosClient("selectinfer_generate", before_spin=lambda n: ActionClient(n, Generate, name)) as c:
-        client = c.prepared
-        if not client.wait_for_server(timeout_sec=args.server_timeout):
-            print(f"no action server {name} (is selectinfer_node running on this "
+    with LLMClient.start("selectinfer_generate", args.namespace,
+                         server_timeout=args.server_timeout, result_timeout=args.timeout) as llm:
+        if not llm.wait_for_server(args.server_timeout):
+            print(f"no action server {llm.action_name} (is selectinfer_node running on this "
                   f"ROS_DOMAIN_ID?)", file=sys.stderr)
             return 2
 
-        def on_feedback(msg):
-            out.write(msg.feedback.text_delta)
+        def on_feedback(fb) -> None:
+            out.write(fb.text_delta)
             out.flush()
 
-        handle = c.wait(client.send_goal_async(build_goal(args), feedback_callback=on_feedback),
-                        args.server_timeout)
-        if handle is None or not handle.accepted:
-            print(f"goal rejected by {name} (the node's log says why: empty prompt, unknown "
-                  f"task, prompt too long, limits, or queue full)", file=sys.stderr)
-            return 1
-        future = handle.get_result_async()
+        handle = llm.generate_async(text_of(args, args.prompt), on_feedback=on_feedback,
+                                    **goal_options(args))
         try:
-            response = c.wait(future, args.timeout)
+            outcome = handle.wait()
         except KeyboardInterrupt:
-            c.wait(handle.cancel_goal_async(), 5.0)
-            response = c.wait(future, 10.0)
-        if response is None:
-            print(f"\nno result within {args.timeout:g} s; canceling", file=sys.stderr)
-            c.wait(handle.cancel_goal_async(), 5.0)
+            handle.cancel()
+            outcome = handle.wait(10.0)
+        if outcome.status == STATUS_NO_SERVER:
+            print(outcome.error_msg, file=sys.stderr)
+            return 2
+        if outcome.status in (STATUS_REJECTED, STATUS_TIMEOUT) and outcome.result is None:
+            print(f"\n{outcome.status}: {outcome.error_msg}", file=sys.stderr)
             return 1
         time.sleep(0.05)  # let the last feedback messages print before the summary
+        if outcome.choice_index >= 0:
+            out.write(outcome.text)
         out.write("\n")
-        print("--- " + format_result(response.status, response.result))
-        client.destroy()
-        from action_msgs.msg import GoalStatus
-        return 0 if response.status == GoalStatus.STATUS_SUCCEEDED else 1
+        print("--- " + format_result(outcome.status, outcome.result))
+        return 0 if outcome.ok else 1
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ def test_generate_goal_fields():
         'stop': 'sequence<string>',
         'use_chat_template': 'boolean',
         'compute_ratio': 'float',
+        'choices': 'sequence<string>',
+        'length_normalize': 'boolean',
     }
 
 
@@ -54,6 +56,9 @@ def test_generate_result_and_feedback_fields():
         'profile': 'string',
         'load_ratio': 'float',
         'compute_ratio': 'float',
+        'choice_index': 'int32',
+        'choice_logprobs': 'sequence<float>',
+        'choice_logprobs_normalized': 'sequence<float>',
     }
     assert _fields(Generate.Feedback) == {
         'text_delta': 'string',
@@ -90,11 +95,15 @@ SAMPLES = [
         prompt='Pick up the red cup.\nThen stop.', task='manipulation', max_new_tokens=48,
         temperature=0.75, top_k=40, top_p=0.875, repetition_penalty=1.25, seed=-1,
         stop=['\n\n', 'User:', 'ünïcødé ✓'], use_chat_template=True, compute_ratio=0.5),
+    Generate.Goal(prompt='Which room next?', choices=['kitchen', 'hall', 'dock', 'ünï'],
+                  length_normalize=True),
     Generate.Result(
         error_code=Generate.Result.CANCELED, error_msg='canceled by client',
         text='partial text', finish_reason='canceled', prompt_tokens=12,
         generated_tokens=3, time_to_first_token=0.123456789, tokens_per_second=42.5,
         profile='navigation', load_ratio=0.375, compute_ratio=0.25),
+    Generate.Result(text='hall', finish_reason='choice', choice_index=1,
+                    choice_logprobs=[-2.5, -0.125, -4.0], choice_logprobs_normalized=[-1.25, -0.125, -2.0]),
     Generate.Feedback(text_delta=' word', generated_tokens=7, tokens_per_second=13.25),
     SwitchProfile.Request(task='navigation'),
     SwitchProfile.Response(success=True, message='ok', active_task='navigation',
@@ -122,5 +131,7 @@ def test_defaults_are_zero():
     assert goal.prompt == '' and goal.task == ''
     assert goal.max_new_tokens == 0 and goal.compute_ratio == 0.0
     assert list(goal.stop) == []
+    assert list(goal.choices) == [] and goal.length_normalize is False
     result = Generate.Result()
     assert result.error_code == Generate.Result.NONE
+    assert result.choice_index == -1 and list(result.choice_logprobs) == []

@@ -1,0 +1,1 @@
+"""Runnable examples against the running nodes."""

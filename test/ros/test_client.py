@@ -1,0 +1,110 @@
+"""The client facade (selectinfer_ros.client.LLMClient) against the real nodes (tiny model).
+
+Covers: blocking generate/choose with streamed feedback; errors as data (rejection, no server,
+result timeout, refused switch) instead of exceptions; cancel mid-stream and before the goal
+response came; switch_profile through the profile manager.
+"""
+import time
+import uuid
+
+import pytest
+from lifecycle_msgs.msg import Transition
+from lifecycle_msgs.srv import ChangeState
+
+from selectinfer_msgs.action import Generate
+from selectinfer_ros.client import (STATUS_CANCELED, STATUS_FAILED, STATUS_NO_SERVER,
+                                    STATUS_REJECTED, STATUS_SUCCEEDED, STATUS_TIMEOUT, LLMClient)
+
+R = Generate.Result
+
+
+def make_client(g, namespace=None, **kwargs):
+    """An LLMClient on a node of its own, made before that node joins the spinning executor."""
+    from rclpy.node import Node
+    node = Node(f'facade_{uuid.uuid4().hex[:6]}', context=g.client_node.context)
+    client = LLMClient(node, namespace or g.namespace, **kwargs)
+    g.spinner.add_node(node)
+    return client
+
+
+def test_generate_and_choose_block_until_the_outcome(llm_graph):
+    g = llm_graph().ready()
+    llm = make_client(g)
+    assert llm.wait_for_server(10.0)
+    pieces = []
+    out = llm.generate('w5 w6 w7', max_new_tokens=8, on_feedback=lambda fb: pieces.append(fb))
+    assert out.ok and out.status == STATUS_SUCCEEDED and out.error_code == R.NONE
+    assert out.text and out.result.generated_tokens >= 1 and out.choice_index == -1
+    assert out.choice is None
+    assert ''.join(fb.text_delta for fb in pieces) == out.text
+    ch = llm.choose('w5 w6 w7', ['w8', 'w9 w10', 'w11'])
+    assert ch.ok and ch.choice == ['w8', 'w9 w10', 'w11'][ch.choice_index] == ch.text
+    assert len(ch.result.choice_logprobs) == 3
+    with pytest.raises(TypeError, match='unknown Generate goal field'):
+        llm.generate_async('w5', max_tokens=3)
+    stats = g.node.runtime.stats
+    assert (stats.succeeded, stats.canceled, stats.rejected) == (2, 0, 0)
+
+
+def test_errors_are_data(llm_graph, wait_until):
+    g = llm_graph(max_new_tokens_limit=1024).ready()
+    llm = make_client(g)
+    assert llm.wait_for_server(10.0)
+    rejected = llm.generate('w5 w6', task='gamma')
+    assert rejected.status == STATUS_REJECTED and 'rejected' in rejected.error_msg
+    assert not rejected.ok and rejected.result is None
+    bad = llm.choose('w5 w6', ['w7', 'w7'])
+    assert bad.status == STATUS_REJECTED
+    assert g.node.snapshot().last_rejection.endswith("choice 1 'w7' repeats choice 0")
+
+    nobody = make_client(g, namespace=f'nobody_{uuid.uuid4().hex[:6]}', server_timeout=0.5)
+    handle = nobody.generate_async('w5')
+    assert handle.done() and handle.result().status == STATUS_NO_SERVER
+    t0 = time.monotonic()
+    assert nobody.generate('w5').status == STATUS_NO_SERVER
+    assert time.monotonic() - t0 < 3.0
+    assert nobody.switch_profile('alpha', timeout=1.0).status == STATUS_NO_SERVER
+
+    # a result that misses its timeout: TIMEOUT, and the goal is canceled on the server
+    slow = llm.generate('w5 w6', max_new_tokens=250, timeout=0.05)
+    assert slow.status == STATUS_TIMEOUT and 'canceled' in slow.error_msg
+    assert wait_until(lambda: g.node.runtime.stats.canceled == 1, 10.0)
+
+
+def test_cancel_mid_stream_and_before_the_goal_response(llm_graph, wait_until):
+    g = llm_graph(max_new_tokens_limit=1024).ready()
+    llm = make_client(g)
+    assert llm.wait_for_server(10.0)
+    handle = llm.generate_async('w5 w6 w7', max_new_tokens=900)
+    assert not handle.done() and handle.result() is None
+    assert wait_until(lambda: handle.feedback is not None and handle.feedback.generated_tokens >= 3,
+                      30.0)
+    handle.cancel()
+    out = handle.wait(30.0)
+    assert out.status == STATUS_CANCELED and out.error_code == R.CANCELED
+    assert out.text and handle.text.startswith(out.text)
+    assert 3 <= out.result.generated_tokens < 900
+
+    early = llm.generate_async('w5 w6 w7', max_new_tokens=900)
+    early.cancel()  # before the goal response: sent as soon as the handle comes
+    assert early.accepted is None
+    out = early.wait(30.0)
+    assert out.status == STATUS_CANCELED
+    assert out.result.generated_tokens < 900
+    assert wait_until(lambda: g.node.runtime.stats.canceled == 2, 5.0)
+
+
+def test_switch_profile_through_the_profile_manager(llm_graph):
+    g = llm_graph(manager={'task': 'alpha'}).ready()
+    for t in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE):
+        req = ChangeState.Request()
+        req.transition.id = t
+        assert g.call(ChangeState, 'profile_manager/change_state', req, 60.0).success
+    llm = make_client(g)
+    out = llm.switch_profile('beta', timeout=60.0)
+    assert out.ok and out.text == 'beta' and out.result.bytes_read > 0
+    assert g.node.runtime.task == 'beta'
+    refused = llm.switch_profile('gamma', timeout=60.0)
+    assert refused.status == STATUS_FAILED and 'gamma' in refused.error_msg
+    call = llm.switch_profile_async('alpha')
+    assert call.wait(60.0).ok and g.node.runtime.task == 'alpha'
