@@ -93,7 +93,8 @@ def cmd_eval_choices(args: argparse.Namespace) -> int:
     import torch
 
     from .cli import _log, _model_path
-    from .runtime import Runtime, RuntimeOptions
+    from .options import ModelOptions
+    from .runtime import Runtime
     torch.set_num_threads(args.threads)
     items = read_items(args.data, args.limit)
     model = _model_path(args.model)
@@ -103,9 +104,9 @@ def cmd_eval_choices(args: argparse.Namespace) -> int:
     dense_rows = None
     for name, gamma, phi in configs:
         _log(f"[eval-choices] {name}: {len(items)} items")
-        rt = Runtime(RuntimeOptions(model=model, profiles=args.profiles, task=items[0].get("task", ""),
-                                    load_ratio=gamma or 1.0, compute_ratio=phi, dense=gamma is None),
-                     log=_log)
+        rt = Runtime(ModelOptions(model=model, profiles=args.profiles or "",
+                                  task=items[0].get("task", ""), load_ratio=gamma or 1.0,
+                                  compute_ratio=phi or 0.0), log=_log, dense=gamma is None)
         rows = run_config(rt, items, args.max_new_tokens, dense=gamma is None)
         summary = summarize(items, rows, dense_rows)
         if gamma is not None:

@@ -12,7 +12,8 @@ import torch
 from selectinfer_ros.core import engine as engine_mod
 from selectinfer_ros.core.engine import MAX_CHOICES, Canceled, Engine, validate_choices
 from selectinfer_ros.core.loader import SelectiveModel
-from selectinfer_ros.core.runtime import Runtime, RuntimeOptions
+from selectinfer_ros.core.options import ModelOptions
+from selectinfer_ros.core.runtime import Runtime
 
 NAV_PROMPT = ("Convert the instruction to a robot command.\nInstruction: Go to the kitchen.\n"
               "Command: goto(kitchen)\nInstruction: Would you mind driving over to the library?\n"
@@ -34,8 +35,8 @@ def direct_logprobs(engine: Engine, prompt: str, choices: list[str]) -> list[flo
 @pytest.fixture(scope="module")
 def embedded_rt(embedded, embedded_profiles):
     torch.set_num_threads(1)
-    return Runtime(RuntimeOptions(model=str(embedded), profiles=str(embedded_profiles),
-                                  task="navigation", load_ratio=0.7, compute_ratio=0.5))
+    return Runtime(ModelOptions(model=str(embedded), profiles=str(embedded_profiles),
+                                task="navigation", load_ratio=0.7, compute_ratio=0.5))
 
 
 def test_choose_agrees_with_score_on_the_embedded_model(embedded_rt):
@@ -141,7 +142,7 @@ def test_free_text_parser_and_eval_rows(tiny_models, tmp_path):
     assert len(items) >= 40 and all(it["answer"] in it["options"] for it in items)
     assert {it["task"] for it in items} == {"navigation", "scene"}
     _, packed = tiny_models["tiny-llama"]
-    rt = Runtime(RuntimeOptions(model=str(packed), dense=True))
+    rt = Runtime(ModelOptions(model=str(packed)), dense=True)
     few = [{"prompt": "w5 w6", "options": ["w7", "w8 w9"], "answer": "w7"},
            {"prompt": "w10 w11", "options": ["w12", "w13", "w14", "w15"], "answer": "w15"}]
     rows = run_config(rt, few, max_new_tokens=3, dense=True)

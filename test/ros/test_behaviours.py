@@ -164,14 +164,14 @@ def test_invalid_choices_are_rejected_with_a_reason(embedded_graph):
     assert too_many.outcome.status == STATUS_REJECTED
     assert read('/err').startswith('REJECTED') and read('/llm/choice_index') == -1
     assert g.node.snapshot().last_rejection == (
-        f'{R.INVALID_GOAL}: invalid choices: 65 choices; at most 64 are allowed')
+        'INVALID_GOAL: invalid choices: 65 choices; at most 64 are allowed')
     for choices, reason in ((['dock', ''], 'choice 1 is empty'),
                             (['dock', 'hall', 'dock'], "choice 2 'dock' repeats choice 0"),
                             (['dock', 'hall ' * 40000], 'choice 1 has ')):
         run = g.send(g.goal('Where next?', choices=choices))
         assert not run.accepted, reason
         assert g.node.snapshot().last_rejection.startswith(
-            f'{R.INVALID_GOAL}: invalid choices: {reason}'), g.node.snapshot().last_rejection
+            f'INVALID_GOAL: invalid choices: {reason}'), g.node.snapshot().last_rejection
     assert g.node.runtime.stats.rejected == 4
     # a valid choices goal through the same action: text is the option, logprobs per option
     run = g.run(g.goal('The robot battery is empty. It goes to the', choices=['dock', 'kitchen']))
