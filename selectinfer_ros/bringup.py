@@ -240,4 +240,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .nodes.inference_node import exit_now
+    exit_now(main())

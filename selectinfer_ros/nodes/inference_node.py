@@ -19,6 +19,7 @@ the core's :class:`selectinfer_ros.core.serving.Server`.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -460,9 +461,19 @@ def run_node(make, name: str, args: list[str] | None = None, num_threads: int = 
     return 0
 
 
+def exit_now(rc: int) -> None:
+    """End the process once the nodes are down: goals ended, results sent, nodes destroyed,
+    context shut down. The interpreter's own teardown of torch and transformers (and of a loaded
+    model) takes seconds, past the 5 s ``ros2 launch`` grants after SIGINT before it escalates to
+    SIGTERM; nothing is left for it to do."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
 def main(args: list[str] | None = None) -> int:
-    return run_node(InferenceNode, "selectinfer_node", args)
+    exit_now(run_node(InferenceNode, "selectinfer_node", args))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -24,7 +24,6 @@ timeout); once started it completes, and this node waits for its answer up to
 """
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 
@@ -220,9 +219,9 @@ class ProfileManager(LifecycleNodeMixin, Node):
 
 
 def main(args: list[str] | None = None) -> int:
-    from .inference_node import run_node
-    return run_node(ProfileManager, "profile_manager", args, num_threads=4)
+    from .inference_node import exit_now, run_node
+    exit_now(run_node(ProfileManager, "profile_manager", args, num_threads=4))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
