@@ -33,6 +33,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--selection", default="auto", help="neuron selection: auto (sensitivity when the "
                    "profiles carry it, else published), published, sensitivity, random")
     p.add_argument("--memory-budget", type=float, help="GiB the weights may take (chooses gamma)")
+    p.add_argument("--min-agreement", type=float,
+                   help="smallest gamma whose measured next-token agreement with dense (the curve "
+                   "stored in the profiles) is >= X; with --memory-budget the stricter wins")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: packed)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -44,13 +47,47 @@ def runtime_from_args(args: argparse.Namespace, dense: bool = False):
     if args.threads:
         torch.set_num_threads(args.threads)
     budget = int(args.memory_budget * 2**30) if args.memory_budget else None
+    model = _model_path(args.model)
+    load_ratio, compute_ratio = args.load_ratio, args.compute_ratio
+    if getattr(args, "min_agreement", None) is not None and not dense:
+        choice = resolve_min_agreement(model, args, budget)
+        _log(f"[load] {choice.message}")
+        share = (compute_ratio / load_ratio) if compute_ratio is not None else None
+        load_ratio, budget = choice.load_ratio, None
+        compute_ratio = None if share is None else min(load_ratio, share * load_ratio)
     opts = RuntimeOptions(
-        model=_model_path(args.model), profiles=args.profiles, task=args.task,
-        load_ratio=args.load_ratio, static_ratio=args.static_ratio,
-        compute_ratio=args.compute_ratio, alpha=args.alpha, device=args.device, dtype=args.dtype,
+        model=model, profiles=args.profiles, task=args.task,
+        load_ratio=load_ratio, static_ratio=args.static_ratio,
+        compute_ratio=compute_ratio, alpha=args.alpha, device=args.device, dtype=args.dtype,
         dense_layers=args.dense_layers, selection=args.selection, memory_budget_bytes=budget,
         dense=dense)
     return Runtime(opts, log=_log)
+
+
+def resolve_min_agreement(model: str, args: argparse.Namespace, budget: int | None):
+    """--min-agreement: the smallest gamma whose stored curve meets it (for ``--task``, or every
+    task when none is named), combined with the memory budget's gamma (profiles.choose_load_ratio)."""
+    from .loader import SelectiveModel, resolve_dtype
+    from .pack import read_manifest
+    from .paths import default_profiles_dir
+    from .profiles import ProfileCatalog, choose_load_ratio
+    manifest = read_manifest(model)
+    catalog = ProfileCatalog(args.profiles or default_profiles_dir(manifest.model_id), manifest)
+    share = args.compute_ratio / args.load_ratio if args.compute_ratio is not None else 1.0
+    tasks = [args.task] if args.task else None
+    for task in tasks or catalog.tasks:
+        curve = catalog.quality_curve(task)
+        if curve is not None and args.selection not in ("auto", curve.selection):
+            raise ValueError(f"the quality curve of {task!r} was measured with selection "
+                             f"{curve.selection!r}, not {args.selection!r}: --min-agreement needs them equal")
+    need = catalog.load_ratio_for_agreement(args.min_agreement, tasks, share)
+    memory = None
+    if budget is not None:  # the loader's own rule for the largest gamma that fits
+        probe = SelectiveModel.__new__(SelectiveModel)
+        probe.path, probe.manifest = Path(model), manifest
+        probe.dtype = resolve_dtype(args.dtype, manifest.dtype)
+        memory = probe.load_ratio_for_budget(budget)
+    return choose_load_ratio(need, memory, args.load_ratio, args.min_agreement)
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
