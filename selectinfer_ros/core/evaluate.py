@@ -83,6 +83,7 @@ class Evaluator:
         self.generate = tuple(generate)  # tasks answered by generation (the others: ppl only)
         self.pairs = {t: agreement_pairs(tokenizer, self.data[t]) for t in AGREEMENT_TASKS}
         self.dense_ref: dict[str, list] = {}
+        self.agreement_only = False
 
     def _generate(self, engine: Engine, task: str) -> list[str]:
         out = []
@@ -134,6 +135,8 @@ class Evaluator:
             if switch:
                 switch(task)
             self._agreement(engine, task, out)
+            if self.agreement_only:
+                continue
             refs = [r["reference"] for r in self.data[task]]
             if task == "summarization":
                 out["summary_ref_ppl"], _ = self._ppl(engine, self.summary_pairs())
@@ -149,6 +152,9 @@ class Evaluator:
                 out["translation_chrf"] = chrf(preds, refs)
             else:
                 out["summary_rougeL"] = sum(rouge_l(p, r) for p, r in zip(preds, refs)) / len(refs)
+        out["task_agreement"] = sum(out[f"{t}_agreement"] for t in AGREEMENT_TASKS) / len(AGREEMENT_TASKS)
+        if self.agreement_only:
+            return out
         if switch:
             switch("prose")
         dense = self.dense_argmax is None
@@ -157,14 +163,13 @@ class Evaluator:
             self.dense_argmax = argmaxes
         agree = sum(int((a == b).sum()) for a, b in zip(argmaxes, self.dense_argmax))
         out["next_token_agreement"] = agree / sum(len(a) for a in self.dense_argmax)
-        out["task_agreement"] = sum(out[f"{t}_agreement"] for t in AGREEMENT_TASKS) / len(AGREEMENT_TASKS)
         return out
 
 
 def add_fractions(rows: list[dict]) -> None:
     """Each metric as a fraction of dense (perplexities as dense/ppl) and the headline mean."""
     dense = next(r for r in rows if r["method"] == "dense")
-    if "translation_chrf" not in dense:
+    if "translation_chrf" not in dense or "prose_ppl" not in dense:
         return
     for r in rows:
         for key in ("qa_em", "qa_contains", "translation_chrf", "summary_rougeL", "navigation_em"):
@@ -235,6 +240,7 @@ def ensure_alt_profiles(model_path: Path, alt: Path, args: argparse.Namespace) -
 
 def run_configs(args, model_path, manifest, tok, profiles, data_dir, configs, limit, generate) -> list[dict]:
     ev = Evaluator(data_dir, limit, tok, generate)
+    ev.agreement_only = bool(getattr(args, "agreement_only", False))
     task_of = {"qa": "qa", "translation": "translation", "summarization": "summarization",
                "navigation": "navigation", "prose": args.prose_task}
     rows = []
@@ -272,6 +278,12 @@ def run_configs(args, model_path, manifest, tok, profiles, data_dir, configs, li
                "profiles": str(profiles), **metrics}
         if cfg.method != "dense":
             row["selection_resolved"] = cfg_selection
+            for t in AGREEMENT_TASKS:  # what the curve stored in the profile predicted
+                if sm.catalog is not None and t in sm.catalog.tasks:
+                    exp = sm.catalog.expected_agreement(t, cfg.load_ratio, cfg.compute_ratio,
+                                                        selection=cfg_selection)
+                    if exp is not None:
+                        row[f"{t}_expected_agreement"] = exp
         rows.append(row)
         _log(f"[eval] {cfg.name}: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items())
              + f" ({time.perf_counter() - t0:.0f} s)")
@@ -291,10 +303,18 @@ def print_table(rows: list[dict]) -> None:
             if r.get("direction", "") != direction:
                 continue
             print(f"{r['name']:<34}{f(r, 'qa_em', '.2f'):>7}{f(r, 'translation_chrf', '.1f'):>7}"
-                  f"{f(r, 'summary_rougeL', '.2f'):>6}{r['summary_ref_ppl']:>9.2f}"
-                  f"{f(r, 'navigation_em', '.2f'):>7}{r['prose_ppl']:>10.2f}"
-                  f"{r['next_token_agreement']:>7.2f}{r['task_agreement']:>9.2f}"
+                  f"{f(r, 'summary_rougeL', '.2f'):>6}{f(r, 'summary_ref_ppl', '.2f'):>9}"
+                  f"{f(r, 'navigation_em', '.2f'):>7}{f(r, 'prose_ppl', '.2f'):>10}"
+                  f"{f(r, 'next_token_agreement', '.2f'):>7}{r['task_agreement']:>9.2f}"
                   f"{f(r, 'mean4_frac', '.2f'):>7}{r['weight_bytes'] / 2**20:>8.1f}")
+        pred = [r for r in rows if r.get("direction", "") == direction and "qa_expected_agreement" in r]
+        if pred:
+            print("agreement on the eval texts: measured / predicted by the curve stored in the profile")
+            print(f"{'configuration':<34}" + "".join(f"{t:>22}" for t in AGREEMENT_TASKS))
+            for r in pred:
+                cells = "".join(f"{r[t + '_agreement']:>12.3f} / {r.get(t + '_expected_agreement', float('nan')):.3f}"
+                                for t in AGREEMENT_TASKS)
+                print(f"{r['name']:<34}{cells}")
     print("mean4 = mean of QA EM, chrF, dense/summary-ppl, dense/prose-ppl as fractions of dense; "
           "agree = next-token agreement with dense on held-out prose; task agr = mean agreement "
           "on the qa/translation/summarization/navigation eval texts (split in the middle)")
@@ -338,6 +358,8 @@ def register(sub) -> None:
                    "into OUT/profiles-alt)")
     p.add_argument("--normalize", default="none", choices=["none", "token"],
                    help="score normalisation when making the alt profiles")
+    p.add_argument("--agreement-only", action="store_true",
+                   help="only next-token agreement on the eval texts (and the stored curve's prediction)")
     p.add_argument("--headline-only", action="store_true",
                    help="generate only QA and translation (summaries scored by reference ppl)")
     p.add_argument("--out")
