@@ -30,8 +30,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-ratio", type=float, help="phi: share computed per token (default gamma)")
     p.add_argument("--alpha", type=float, default=0.2, help="per-token top share for dynamic votes")
     p.add_argument("--dense-layers", type=int, default=0, help="first/last layers kept dense")
-    p.add_argument("--selection", default="auto", help="neuron selection: auto (sensitivity when the "
-                   "profiles carry it, else published), published, sensitivity, random")
+    p.add_argument("--selection", default="auto", help="neuron selection: auto (shared-sensitivity when "
+                   "the profiles carry the sensitivity, else published), published, sensitivity, "
+                   "shared-sensitivity, random")
     p.add_argument("--memory-budget", type=float, help="GiB the weights may take (chooses gamma)")
     p.add_argument("--min-agreement", type=float,
                    help="smallest gamma whose measured next-token agreement with dense (the curve "

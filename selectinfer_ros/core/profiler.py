@@ -233,7 +233,7 @@ def summarize(profiles: dict[str, Profile], static_ratio: float = 0.3, top: int 
     return "\n".join(lines)
 
 
-CURVE_LOAD_RATIOS = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+CURVE_LOAD_RATIOS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 CURVE_COMPUTE_SHARES = (0.7, 1.0)  # phi / gamma: 1.0 is loading only
 KL_TOP = 64  # KL over the dense model's top tokens per position (the full vocabulary costs more)
 

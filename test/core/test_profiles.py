@@ -76,11 +76,12 @@ def test_switch_between_per_layer_budgets_reads_only_new_neurons(tiny_models, ti
         prof = load_profile(d / f"{task}.safetensors")
         prof.extra["sensitivity"] = torch.tensor(sens)
         prof.save(d / f"{task}.safetensors")
-    sm = SelectiveModel(packed, d, "alpha", load_ratio=0.6, static_ratio=0.2)  # auto -> sensitivity
-    assert sm.selection_strategy == "sensitivity"
+    sm = SelectiveModel(packed, d, "alpha", load_ratio=0.6, static_ratio=0.2, selection="sensitivity")
+    assert SelectiveModel(packed, d, "alpha", load_ratio=0.6, static_ratio=0.2).selection_strategy \
+        == "shared-sensitivity"  # auto
     before = [set(m.slot_ids.tolist()) for m in sm.mlps]
     report = sm.switch_task("beta")
-    fresh = SelectiveModel(packed, d, "beta", load_ratio=0.6, static_ratio=0.2)
+    fresh = SelectiveModel(packed, d, "beta", load_ratio=0.6, static_ratio=0.2, selection="sensitivity")
     after = [set(m.slot_ids.tolist()) for m in fresh.mlps]
     assert [m.n_loaded for m in sm.mlps] == [m.n_loaded for m in fresh.mlps] != [len(b) for b in before]
     added = sum(len(a - b) for a, b in zip(after, before))
