@@ -130,15 +130,19 @@ class QualityCurve:
 
     def load_ratio_for(self, min_agreement: float, compute_share: float = 1.0,
                        step: float = 0.01) -> float | None:
-        """Smallest gamma (on a ``step`` grid) whose expected agreement at compute share
-        phi/gamma = ``compute_share`` is >= ``min_agreement``; None if no gamma <= 1 reaches it."""
+        """Smallest gamma (on a ``step`` grid) such that the expected agreement at compute share
+        phi/gamma = ``compute_share`` is >= ``min_agreement`` there and at every larger gamma (a
+        measured curve is noisy; a dip above a lucky point must not be skipped); None if gamma 1
+        does not reach it."""
         lo = min(self.load_ratios)
         n = int(round((1.0 - lo) / step))
-        for k in range(n + 1):
+        best = None
+        for k in range(n, -1, -1):  # from gamma 1 down, until the first miss
             g = round(lo + k * step, 6)
-            if self.expected_agreement(g, g * compute_share) >= min_agreement - 1e-6:  # float32 tables
-                return g
-        return None
+            if self.expected_agreement(g, g * compute_share) < min_agreement - 1e-6:  # float32 tables
+                break
+            best = g
+        return best
 
     def rows(self) -> list[dict]:
         return [{"load_ratio": g, "compute_ratio": round(g * r, 4), "compute_share": r,

@@ -185,6 +185,10 @@ def test_load_ratio_for_agreement_is_the_smallest_meeting_it():
     assert c.load_ratio_for(0.95, compute_share=0.7) is None  # 0.85 at gamma 1, phi 0.7
     g = c.load_ratio_for(0.77)
     assert c.expected_agreement(g) >= 0.77 - 1e-6 > c.expected_agreement(g - 0.01)
+    from selectinfer_ros.core.profiles import QualityCurve
+    noisy = QualityCurve([0.5, 0.6, 0.7, 1.0], [1.0], torch.tensor([[0.7], [0.87], [0.85], [1.0]]),
+                         torch.zeros(4, 1))
+    assert noisy.load_ratio_for(0.86) == pytest.approx(0.72)  # not the lucky 0.6 below the dip at 0.7
 
 
 def test_curve_is_stored_checksummed_and_read_back(tmp_path):
