@@ -40,24 +40,68 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    """Profile a task on a prompt file (JSONL or plain text lines), then measure its quality curve
+    (agreement with dense over a gamma grid) on held-out prompts and store it in the profile."""
     import torch
     from .loader import load_dense
     from .pack import read_manifest
     from .paths import default_profiles_dir
-    from .profiler import profile_task
+    from .profiler import measure_quality_curve, profile_task, read_prompts, split_heldout
+    from .profiles import load_profile, profile_path
     from .tokenizer import load_tokenizer
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.task.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"task name {args.task!r}: use letters, digits, '_' and '-' (it names the file)")
     path = _model_path(args.model)
     manifest = read_manifest(path)
-    model, _ = load_dense(path, args.dtype, args.device)
-    tok = load_tokenizer(path)
     out = Path(args.out) if args.out else default_profiles_dir(manifest.model_id)
-    prof = profile_task(model, tok, manifest, args.task, args.data, args.batch_size, args.max_tokens,
-                        sensitivity=not args.no_sensitivity)
-    saved = prof.save(out / f"{args.task}.safetensors")
-    _log(f"[profile] {args.task}: {prof.tokens} tokens -> {saved}")
+    records = [r for f in args.data for r in read_prompts(f)]
+    if args.heldout:
+        profiled, heldout = records, [r for f in args.heldout for r in read_prompts(f)]
+    else:
+        profiled, heldout = split_heldout(records)
+    target = profile_path(out, args.task)
+    if args.curve_only:
+        prof = load_profile(target, manifest)
+    else:
+        model, _ = load_dense(path, args.dtype, args.device)
+        tok = load_tokenizer(path)
+        prof = profile_task(model, tok, manifest, args.task, args.data, args.batch_size,
+                            args.max_tokens, sensitivity=not args.no_sensitivity, records=profiled,
+                            normalize=args.normalize)
+        del model
+        prof.save(target)
+        _log(f"[profile] {args.task}: {len(profiled)} records, {prof.tokens} tokens -> {target}")
+    if args.no_curve:
+        return 0
+    if not heldout:
+        _log(f"[profile] {args.task}: fewer than 8 records and no --heldout: no quality curve "
+             f"(--min-agreement cannot use this task)")
+        return 0
+    curve = measure_quality_curve(path, out, args.task, heldout, args.selection, alpha=args.alpha,
+                                  device=args.device, dtype=args.dtype,
+                                  data_name=", ".join(Path(f).name for f in (args.heldout or args.data)),
+                                  log=_log)
+    prof.set_quality_curve(curve)
+    prof.save(target)
+    _log(f"[profile] {args.task}: quality curve on {curve.items} held-out records "
+         f"({curve.tokens} tokens, selection {curve.selection}) -> {target}")
+    print(format_curve(args.task, curve))
     return 0
+
+
+def format_curve(task: str, curve) -> str:
+    """The stored quality curve as a table: gamma rows, phi/gamma columns."""
+    head = "".join(f"  phi={s:g}*gamma" for s in curve.compute_shares)
+    lines = [f"task {task}: next-token agreement with dense (KL nats/token) on {curve.items} held-out "
+             f"records, {curve.tokens} tokens, selection {curve.selection or '?'}",
+             f"  gamma{head}"]
+    for i, g in enumerate(curve.load_ratios):
+        cells = "".join(f"  {float(curve.agreement[i, j]):.3f} ({float(curve.kl[i, j]):.2f})"
+                        for j in range(len(curve.compute_shares)))
+        lines.append(f"  {g:5.2f}{cells}")
+    return "\n".join(lines)
 
 
 def cmd_profile_show(argv: list[str]) -> int:
@@ -66,12 +110,21 @@ def cmd_profile_show(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="selectinfer profile show")
     p.add_argument("dir", help="profiles folder (profiles/<model-id>)")
     p.add_argument("--static-ratio", type=float, default=0.3)
+    p.add_argument("--plot", help="write the quality curves of every task to this PNG file")
     args = p.parse_args(argv)
     profs = {f.stem: load_profile(f) for f in sorted(Path(args.dir).glob("*.safetensors"))}
     if not profs:
         print(f"no profiles in {args.dir}", file=sys.stderr)
         return 1
     print(summarize(profs, args.static_ratio))
+    curves = {t: p.quality_curve() for t, p in profs.items()}
+    for task, curve in curves.items():
+        print(format_curve(task, curve) if curve is not None else
+              f"task {task}: no quality curve (re-run `selectinfer profile` to measure it)")
+    if args.plot and any(c is not None for c in curves.values()):
+        from .plots import quality_curve_plot
+        quality_curve_plot({t: c for t, c in curves.items() if c is not None}, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -205,13 +258,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="profile a task (`selectinfer profile show DIR` summarises)")
     p.add_argument("model", nargs="?", help="packed model folder (default: embedded model)")
-    p.add_argument("--task", required=True)
-    p.add_argument("--data", required=True, nargs="+", help="JSONL prompt sets")
+    p.add_argument("--task", required=True, help="task name (the profile file is TASK.safetensors)")
+    p.add_argument("--data", required=True, nargs="+",
+                   help="prompt files: JSONL ({prompt, reference} or {text}) or plain text lines")
+    p.add_argument("--heldout", nargs="+", help="held-out prompt files for the quality curve "
+                   "(default: every 5th record of --data, not profiled)")
     p.add_argument("--out", help="profiles folder (default profiles/<model-id>)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--normalize", default="none", choices=["none", "token"],
+                   help="token: every token weighs the same in the scores")
     p.add_argument("--no-sensitivity", action="store_true",
-                   help="skip the per-layer sensitivity (needed by --selection sensitivity)")
+                   help="skip the per-layer sensitivity (needed by the sensitivity selections)")
+    p.add_argument("--no-curve", action="store_true", help="skip the quality curve")
+    p.add_argument("--curve-only", action="store_true",
+                   help="re-measure the quality curve of the existing profile (e.g. after adding tasks)")
+    p.add_argument("--selection", default="auto", help="selection the curve is measured with")
+    p.add_argument("--alpha", type=float, default=0.2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype")
     p.add_argument("--threads", type=int)

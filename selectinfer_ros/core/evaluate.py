@@ -20,15 +20,16 @@ import torch
 from .engine import Engine, GenerationConfig
 from .loader import SelectiveModel, load_dense
 from .paths import DATA_DIR, default_profiles_dir
-from .profiler import read_jsonl
+from .profiler import agreement_and_kl, agreement_pairs, dense_reference, read_jsonl
 from .tokenizer import load_tokenizer
-from .textmetrics import chrf, exact_match, rouge_l
+from .textmetrics import chrf, contains, exact_match, rouge_l
 
 GRID = [(0.9, 0.7), (0.7, 0.7), (0.7, 0.5), (0.5, 0.35)]
 QUICK_GRID = [(0.7, 0.5)]
 TASKS = ("qa", "translation", "summarization", "navigation", "prose")
 MAX_NEW = {"qa": 8, "translation": 40, "summarization": 40, "navigation": 16}
 HEADLINE = ("qa_em", "translation_chrf", "summary_ref_ppl", "prose_ppl")  # the mean of their fractions
+AGREEMENT_TASKS = ("qa", "translation", "summarization", "navigation")  # task_agreement: their mean
 
 
 @dataclass(frozen=True)
@@ -75,14 +76,29 @@ def build_configs(grid: list[tuple[float, float]], strategies: list[str]) -> lis
 class Evaluator:
     """Runs every eval task on one engine; dense results give the reference for agreement."""
 
-    def __init__(self, data_dir: Path, limit: int, tokenizer):
+    def __init__(self, data_dir: Path, limit: int, tokenizer, generate: tuple[str, ...] = MAX_NEW.keys()):
         self.tok = tokenizer
         self.data = {t: read_jsonl(data_dir / f"{t}.jsonl")[:limit] for t in TASKS}
         self.dense_argmax: list[torch.Tensor] | None = None
+        self.generate = tuple(generate)  # tasks answered by generation (the others: ppl only)
+        self.pairs = {t: agreement_pairs(tokenizer, self.data[t]) for t in AGREEMENT_TASKS}
+        self.dense_ref: dict[str, list] = {}
+        self.agreement_only = False
 
     def _generate(self, engine: Engine, task: str) -> list[str]:
-        cfg = GenerationConfig(max_new_tokens=MAX_NEW[task], stop=["\n"])
-        return [engine.generate(r["prompt"], cfg).text for r in self.data[task]]
+        out = []
+        for r in self.data[task]:
+            cfg = GenerationConfig(max_new_tokens=MAX_NEW[task], stop=list(r.get("stop", ["\n"])))
+            out.append(engine.generate(r["prompt"], cfg).text)
+        return out
+
+    def _agreement(self, engine: Engine, task: str, out: dict) -> None:
+        """Next-token agreement with dense (and KL) on the task's eval texts, split in the middle
+        as the quality curve stored in profiles measures it."""
+        if task not in self.dense_ref:  # the first configuration run is the dense one
+            self.dense_ref[task] = dense_reference(engine, self.pairs[task])
+        agree, kl, _ = agreement_and_kl(engine, self.pairs[task], self.dense_ref[task])
+        out[f"{task}_agreement"], out[f"{task}_kl"] = agree, kl
 
     def _ppl(self, engine: Engine, pairs: list[tuple[list[int], list[int]]],
              keep_argmax: bool = False) -> tuple[float, list[torch.Tensor]]:
@@ -118,16 +134,27 @@ class Evaluator:
         for task in ("qa", "translation", "summarization", "navigation"):
             if switch:
                 switch(task)
+            self._agreement(engine, task, out)
+            if self.agreement_only:
+                continue
             refs = [r["reference"] for r in self.data[task]]
+            if task == "summarization":
+                out["summary_ref_ppl"], _ = self._ppl(engine, self.summary_pairs())
+            if task not in self.generate:
+                continue
             preds = self._generate(engine, task)
             if task in ("qa", "navigation"):
                 key = "qa_em" if task == "qa" else "navigation_em"
                 out[key] = sum(exact_match(p, r) for p, r in zip(preds, refs)) / len(refs)
+                if task == "qa":
+                    out["qa_contains"] = sum(contains(p, r) for p, r in zip(preds, refs)) / len(refs)
             elif task == "translation":
                 out["translation_chrf"] = chrf(preds, refs)
             else:
                 out["summary_rougeL"] = sum(rouge_l(p, r) for p, r in zip(preds, refs)) / len(refs)
-                out["summary_ref_ppl"], _ = self._ppl(engine, self.summary_pairs())
+        out["task_agreement"] = sum(out[f"{t}_agreement"] for t in AGREEMENT_TASKS) / len(AGREEMENT_TASKS)
+        if self.agreement_only:
+            return out
         if switch:
             switch("prose")
         dense = self.dense_argmax is None
@@ -142,22 +169,28 @@ class Evaluator:
 def add_fractions(rows: list[dict]) -> None:
     """Each metric as a fraction of dense (perplexities as dense/ppl) and the headline mean."""
     dense = next(r for r in rows if r["method"] == "dense")
+    if "translation_chrf" not in dense or "prose_ppl" not in dense:
+        return
     for r in rows:
-        for key in ("qa_em", "translation_chrf", "summary_rougeL", "navigation_em"):
-            r[f"{key}_frac"] = r[key] / dense[key] if dense[key] else 0.0
+        for key in ("qa_em", "qa_contains", "translation_chrf", "summary_rougeL", "navigation_em"):
+            if key in r and key in dense:
+                r[f"{key}_frac"] = r[key] / dense[key] if dense[key] else 0.0
         for key in ("summary_ref_ppl", "prose_ppl"):
             r[f"{key}_frac"] = dense[key] / r[key] if r[key] else 0.0
         r["next_token_agreement_frac"] = r["next_token_agreement"]
         r["mean4_frac"] = sum(r[f"{k}_frac"] for k in HEADLINE) / len(HEADLINE)
 
 
+def _log(s: str) -> None:
+    print(s, file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> list[dict]:
-    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     if args.threads:
         torch.set_num_threads(args.threads)
     from .default_model import ensure_packed
     from .pack import read_manifest
-    model_path = Path(args.model) if args.model else ensure_packed(log)
+    model_path = Path(args.model) if args.model else ensure_packed(_log)
     manifest = read_manifest(model_path)
     profiles = Path(args.profiles) if args.profiles else default_profiles_dir(manifest.model_id)
     tok = load_tokenizer(model_path)
@@ -168,7 +201,46 @@ def run(args: argparse.Namespace) -> list[dict]:
         keep = set(args.only.split(","))
         configs = [c for c in configs if c.method == "dense" or c.method in keep]
     limit = 3 if args.quick else args.limit
-    ev = Evaluator(Path(args.data) if args.data else DATA_DIR / "eval", limit, tok)
+    generate = tuple(MAX_NEW) if not args.headline_only else ("qa", "translation")
+    if not args.cross_phrasing:
+        data = Path(args.data) if args.data else DATA_DIR / "eval"
+        return run_configs(args, model_path, manifest, tok, profiles, data, configs, limit, generate)
+    # Cross-phrasing: profiles of phrasing A (profiling/) on eval_alt/, and profiles of phrasing
+    # B (profiling_alt/) on eval/.
+    alt = Path(args.alt_profiles) if args.alt_profiles else Path(args.out or "eval-out") / "profiles-alt"
+    ensure_alt_profiles(model_path, alt, args)
+    rows = []
+    for direction, prof_dir, data in (("A->B", profiles, DATA_DIR / "eval_alt"),
+                                      ("B->A", alt, DATA_DIR / "eval")):
+        _log(f"[eval] cross-phrasing {direction}: profiles {prof_dir}, eval data {data}")
+        part = run_configs(args, model_path, manifest, tok, prof_dir, data, configs, limit, generate)
+        for r in part:
+            r["direction"] = direction
+        rows += part
+    return rows
+
+
+def ensure_alt_profiles(model_path: Path, alt: Path, args: argparse.Namespace) -> None:
+    """Profiles of every task made on the second phrasing (profiling_alt/), once."""
+    from .loader import load_dense
+    from .pack import read_manifest
+    from .profiler import profile_task
+    manifest = read_manifest(model_path)
+    files = sorted((DATA_DIR / "profiling_alt").glob("*.jsonl"))
+    if alt.is_dir() and all((alt / f"{f.stem}.safetensors").exists() for f in files):
+        return
+    model, _ = load_dense(model_path, args.dtype)
+    tok = load_tokenizer(model_path)
+    for f in files:
+        prof = profile_task(model, tok, manifest, f.stem, [f], normalize=args.normalize)
+        prof.save(alt / f"{f.stem}.safetensors")
+        _log(f"[eval] profiled {f.stem} on {f} -> {alt}")
+    del model
+
+
+def run_configs(args, model_path, manifest, tok, profiles, data_dir, configs, limit, generate) -> list[dict]:
+    ev = Evaluator(data_dir, limit, tok, generate)
+    ev.agreement_only = bool(getattr(args, "agreement_only", False))
     task_of = {"qa": "qa", "translation": "translation", "summarization": "summarization",
                "navigation": "navigation", "prose": args.prose_task}
     rows = []
@@ -198,26 +270,54 @@ def run(args: argparse.Namespace) -> list[dict]:
                     sm.switch_task(task_of[task])
             metrics = ev.run(engine, switch)
             weight = sm.weight_bytes()["total"]
+            cfg_selection = sm.selection_strategy
         row = {"model": manifest.model_id, "name": cfg.name, "method": cfg.method,
                "load_ratio": cfg.load_ratio, "compute_ratio": cfg.compute_ratio,
                "static_ratio": cfg.static_ratio, "selection": cfg.selection, "dynamic": cfg.dynamic,
-               "weight_bytes": weight, "items_per_task": limit, **metrics}
+               "weight_bytes": weight, "items_per_task": limit, "data": str(data_dir),
+               "profiles": str(profiles), **metrics}
+        if cfg.method != "dense":
+            row["selection_resolved"] = cfg_selection
+            for t in AGREEMENT_TASKS:  # what the curve stored in the profile predicted
+                if sm.catalog is not None and t in sm.catalog.tasks:
+                    exp = sm.catalog.expected_agreement(t, cfg.load_ratio, cfg.compute_ratio,
+                                                        selection=cfg_selection)
+                    if exp is not None:
+                        row[f"{t}_expected_agreement"] = exp
         rows.append(row)
-        log(f"[eval] {cfg.name}: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items())
-            + f" ({time.perf_counter() - t0:.0f} s)")
+        _log(f"[eval] {cfg.name}: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items())
+             + f" ({time.perf_counter() - t0:.0f} s)")
     add_fractions(rows)
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'configuration':<34}{'QA EM':>7}{'chrF':>7}{'R-L':>6}{'sum ppl':>9}{'nav EM':>7}"
-          f"{'prose ppl':>10}{'agree':>7}{'mean4':>7}{'MiB':>8}")
-    for r in rows:
-        print(f"{r['name']:<34}{r['qa_em']:>7.2f}{r['translation_chrf']:>7.1f}{r['summary_rougeL']:>6.2f}"
-              f"{r['summary_ref_ppl']:>9.2f}{r['navigation_em']:>7.2f}{r['prose_ppl']:>10.2f}"
-              f"{r['next_token_agreement']:>7.2f}{r['mean4_frac']:>7.2f}{r['weight_bytes'] / 2**20:>8.1f}")
+    def f(r, k, fmt):
+        return format(r[k], fmt) if k in r else "-"
+    for direction in dict.fromkeys(r.get("direction", "") for r in rows):
+        if direction:
+            print(f"cross-phrasing {direction} (profiles of one phrasing, eval prompts of the other)")
+        print(f"{'configuration':<34}{'QA EM':>7}{'chrF':>7}{'R-L':>6}{'sum ppl':>9}{'nav EM':>7}"
+              f"{'prose ppl':>10}{'agree':>7}{'task agr':>9}{'mean4':>7}{'MiB':>8}")
+        for r in rows:
+            if r.get("direction", "") != direction:
+                continue
+            print(f"{r['name']:<34}{f(r, 'qa_em', '.2f'):>7}{f(r, 'translation_chrf', '.1f'):>7}"
+                  f"{f(r, 'summary_rougeL', '.2f'):>6}{f(r, 'summary_ref_ppl', '.2f'):>9}"
+                  f"{f(r, 'navigation_em', '.2f'):>7}{f(r, 'prose_ppl', '.2f'):>10}"
+                  f"{f(r, 'next_token_agreement', '.2f'):>7}{r['task_agreement']:>9.2f}"
+                  f"{f(r, 'mean4_frac', '.2f'):>7}{r['weight_bytes'] / 2**20:>8.1f}")
+        pred = [r for r in rows if r.get("direction", "") == direction and "qa_expected_agreement" in r]
+        if pred:
+            print("agreement on the eval texts: measured / predicted by the curve stored in the profile")
+            print(f"{'configuration':<34}" + "".join(f"{t:>22}" for t in AGREEMENT_TASKS))
+            for r in pred:
+                cells = "".join(f"{r[t + '_agreement']:>12.3f} / {r.get(t + '_expected_agreement', float('nan')):.3f}"
+                                for t in AGREEMENT_TASKS)
+                print(f"{r['name']:<34}{cells}")
     print("mean4 = mean of QA EM, chrF, dense/summary-ppl, dense/prose-ppl as fractions of dense; "
-          "agree = next-token agreement with dense on held-out prose")
+          "agree = next-token agreement with dense on held-out prose; task agr = mean agreement "
+          "on the qa/translation/summarization/navigation eval texts (split in the middle)")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -251,5 +351,16 @@ def register(sub) -> None:
     p.add_argument("--dtype")
     p.add_argument("--threads", type=int)
     p.add_argument("--quick", action="store_true", help="one grid point, 3 items per task (CI)")
+    p.add_argument("--cross-phrasing", action="store_true",
+                   help="profiles of one phrasing on eval prompts of the other, both directions "
+                   "(profiling/ -> eval_alt/, profiling_alt/ -> eval/)")
+    p.add_argument("--alt-profiles", help="profiles made on profiling_alt/ (default: made once "
+                   "into OUT/profiles-alt)")
+    p.add_argument("--normalize", default="none", choices=["none", "token"],
+                   help="score normalisation when making the alt profiles")
+    p.add_argument("--agreement-only", action="store_true",
+                   help="only next-token agreement on the eval texts (and the stored curve's prediction)")
+    p.add_argument("--headline-only", action="store_true",
+                   help="generate only QA and translation (summaries scored by reference ppl)")
     p.add_argument("--out")
     p.set_defaults(func=cmd_eval)

@@ -161,10 +161,11 @@ class SelectiveModel:
         self.dense_layers = dense_layers
         self.log = log
         self.catalog = ProfileCatalog(profiles_dir, self.manifest) if profiles_dir else None
-        if selection == "auto":  # per-layer budgets when the profiles carry the measurement
+        if selection == "auto":  # shared per-layer budgets when the profiles carry the measurement:
+            # cross-task secondary neurons hold up best on prompts phrased unlike the profiling set
             has = self.catalog is not None and all("sensitivity" in p.extra
                                                    for p in self.catalog.profiles.values())
-            selection = "sensitivity" if has else "published"
+            selection = "shared-sensitivity" if has else "published"
         if selection not in SELECTIONS:
             raise ValueError(f"unknown selection strategy {selection!r}; choose from {', '.join(SELECTIONS)}")
         self.selection_strategy = selection

@@ -84,9 +84,15 @@ class ModelOptions:
     dtype: str = param("", "float32, float16 or bfloat16; empty = the packed dtype",
                        choices=DTYPES)
     dense_layers: int = param(0, "first and last layers kept dense (all neurons)", lo=0)
-    selection: str = param("auto", "neuron selection: " + ", ".join(SELECTIONS), choices=SELECTIONS)
+    selection: str = param("auto", "neuron selection: " + ", ".join(SELECTIONS) + " (auto: "
+                           "shared-sensitivity when the profiles carry the sensitivity, else "
+                           "published)", choices=SELECTIONS)
     memory_budget_mb: float = param(0.0, "MiB the weights may take (chooses load_ratio); "
                                     "0 = use load_ratio", lo=0.0)
+    min_agreement: float = param(0.0, "choose the smallest load_ratio whose next-token agreement "
+                                 "with the dense model (the quality curve stored in the profiles) "
+                                 "is >= this; with memory_budget_mb the stricter wins and the log "
+                                 "says which bound; 0 = use load_ratio", lo=0.0, hi=1.0)
     context_limit: int = param(0, "context window cap in tokens; 0 = the model's", lo=0)
     num_threads: int = param(0, "torch CPU threads; 0 = torch's default", lo=0,
                              aliases=("--threads",))
@@ -103,7 +109,7 @@ class ModelOptions:
 
     def check(self) -> None:
         """Cross-setting checks (ParamError with the reason)."""
-        if self.memory_budget_mb > 0:  # the budget chooses load_ratio; checked once it is known
+        if self.memory_budget_mb > 0 or self.min_agreement > 0:  # load_ratio chosen at load
             return
         from .loader import check_ratios
         try:

@@ -35,3 +35,28 @@ def tradeoff_plot(rows: list[dict], y_key: str, y_label: str, path: str | Path, 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def quality_curve_plot(curves: dict, path: str | Path, title: str = "") -> Path:
+    """Agreement with dense against gamma, one line per task and compute share phi/gamma."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for n, (task, c) in enumerate(sorted(curves.items())):
+        color = f"C{n % 10}"
+        for j, share in enumerate(c.compute_shares):
+            style = "-" if share >= 1.0 else "--"
+            label = f"{task} (loading only)" if share >= 1.0 else f"{task} (phi = {share:g} gamma)"
+            ax.plot(c.load_ratios, [float(a) for a in c.agreement[:, j]], style, color=color,
+                    marker="o", ms=3, label=label)
+    ax.set_xlabel("load ratio gamma")
+    ax.set_ylabel("next-token agreement with dense (held-out prompts)")
+    ax.set_title(title or "measured quality curves (stored in the profiles)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -17,6 +17,41 @@ from .profiles import Profile
 from .progress import progress
 
 
+def read_prompts(path: str | Path) -> list[dict]:
+    """A user's prompt file: JSONL records (``.jsonl``/``.json``, or every line a JSON object),
+    else plain text, one prompt per non-empty line (``{"text": line}``)."""
+    path = Path(path)
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    if not lines:
+        raise ValueError(f"{path}: no records")
+    if path.suffix in (".jsonl", ".json") or all(ln.lstrip().startswith("{") for ln in lines):
+        return read_jsonl(path)
+    return [{"text": ln.strip()} for ln in lines]
+
+
+def split_heldout(records: list, every: int = 5, min_records: int = 8) -> tuple[list, list]:
+    """(profiling part, held-out part): every ``every``-th record is held out for the quality
+    curve; files of fewer than ``min_records`` records are not split (no held-out part)."""
+    if len(records) < min_records:
+        return list(records), []
+    held = [r for i, r in enumerate(records) if i % every == every - 1]
+    return [r for i, r in enumerate(records) if i % every != every - 1], held
+
+
+def agreement_pairs(tokenizer, records: list[dict], max_tokens: int = 256) -> list[tuple[list[int], list[int]]]:
+    """(prefix, continuation) token ids per record: the text (prompt + reference) split in the
+    middle. The selection is made on the prefix; agreement is counted on the continuation. The
+    quality curve and ``selectinfer eval`` use the same split, so their figures compare."""
+    out = []
+    for r in records:
+        ids = tokenizer(record_text(r))["input_ids"][:max_tokens]
+        if len(ids) < 3:
+            continue
+        half = max(2, len(ids) // 2)
+        out.append((ids[:half], ids[half:]))
+    return out
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     """Records of a JSONL file; each needs ``prompt`` (optional ``reference``) or ``text``."""
     path = Path(path)
@@ -49,8 +84,15 @@ def file_sha256(paths: list[Path]) -> str:
 
 @torch.inference_mode()
 def activation_scores(model: nn.Module, tokenizer, texts: list[str], batch_size: int = 8,
-                      max_tokens: int = 256, desc: str = "profile") -> tuple[torch.Tensor, int]:
-    """Sum of |a_n| per layer and neuron over the counted tokens of ``texts``: ([L, I], tokens)."""
+                      max_tokens: int = 256, desc: str = "profile",
+                      normalize: str = "none") -> tuple[torch.Tensor, int]:
+    """Sum of |a_n| per layer and neuron over the counted tokens of ``texts``: ([L, I], tokens).
+
+    ``normalize="token"``: each token's |a| vector is first divided by its mean over the layer's
+    neurons, so every token weighs the same (a few tokens with huge activations, such as
+    separators and newlines, do not decide the ranking)."""
+    if normalize not in ("none", "token"):
+        raise ValueError(f"unknown score normalisation {normalize!r}; use none or token")
     layers = model.model.layers
     device = next(model.parameters()).device
     inter = layers[0].mlp.down_proj.in_features
@@ -60,6 +102,8 @@ def activation_scores(model: nn.Module, tokenizer, texts: list[str], batch_size:
     def hook(layer: int):
         def pre(_mod, args):
             a = args[0].abs().float()  # [B, T, I]
+            if normalize == "token":
+                a = a / a.mean(-1, keepdim=True).clamp_min(1e-12)
             scores[layer] += torch.einsum("bti,bt->i", a, mask_box[0]).double()
         return pre
 
@@ -141,19 +185,23 @@ def layer_sensitivity(model: nn.Module, tokenizer, texts: list[str], scores: tor
 
 def profile_task(model: nn.Module, tokenizer, manifest: Manifest, task: str,
                  data: list[str | Path], batch_size: int = 8, max_tokens: int = 256,
-                 sensitivity: bool = True) -> Profile:
-    """Profile one task from JSONL files into a :class:`Profile` (scores, and per-layer
-    sensitivity for the ``sensitivity`` selection strategy)."""
+                 sensitivity: bool = True, records: list[dict] | None = None,
+                 normalize: str = "none") -> Profile:
+    """Profile one task into a :class:`Profile` (scores, and per-layer sensitivity for the
+    sensitivity-based selection strategies). ``records`` (default: every record of the files
+    ``data``) are what is profiled; ``data`` names the dataset (its sha256)."""
     paths = [Path(p) for p in data]
-    texts = [record_text(r) for p in paths for r in read_jsonl(p)]
+    if records is None:
+        records = [r for p in paths for r in read_prompts(p)]
+    texts = [record_text(r) for r in records]
     scores, tokens = activation_scores(model, tokenizer, texts, batch_size, max_tokens,
-                                       desc=f"profile {task}")
+                                       desc=f"profile {task}", normalize=normalize)
     extra = {}
     if sensitivity:
         extra["sensitivity"] = layer_sensitivity(model, tokenizer, texts, scores,
                                                  max_tokens=max_tokens, desc=f"sensitivity {task}")
     return Profile(task, manifest.model_id, manifest.fingerprint, scores, tokens, file_sha256(paths),
-                   extra)
+                   extra, {"score_normalize": normalize, "records": str(len(records))})
 
 
 def summarize(profiles: dict[str, Profile], static_ratio: float = 0.3, top: int = 5) -> str:
@@ -183,3 +231,79 @@ def summarize(profiles: dict[str, Profile], static_ratio: float = 0.3, top: int 
                 row.append(f"{sum(j) / len(j):11.2f}")
             lines.append(f"  {a[:11]:>11} " + " ".join(row))
     return "\n".join(lines)
+
+
+CURVE_LOAD_RATIOS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+CURVE_COMPUTE_SHARES = (0.7, 1.0)  # phi / gamma: 1.0 is loading only
+KL_TOP = 64  # KL over the dense model's top tokens per position (the full vocabulary costs more)
+
+
+@torch.inference_mode()
+def dense_reference(engine, pairs: list[tuple[list[int], list[int]]]) -> list[tuple]:
+    """Per pair, the dense model's argmax and its top-``KL_TOP`` (ids, log-probs) per position."""
+    out = []
+    for prefix, cont in pairs:
+        lp = torch.log_softmax(engine.score(prefix, cont).float(), -1)
+        top = torch.topk(lp, KL_TOP, -1)
+        out.append((lp.argmax(-1).cpu(), top.indices.cpu(), top.values.cpu()))
+    return out
+
+
+@torch.inference_mode()
+def agreement_and_kl(engine, pairs, reference) -> tuple[float, float, int]:
+    """(next-token agreement with dense, KL(dense || this) nats per token over the dense top
+    tokens, tokens counted) over ``pairs`` (see :func:`agreement_pairs`)."""
+    agree = total = 0
+    kl = 0.0
+    for (prefix, cont), (d_arg, d_idx, d_lp) in zip(pairs, reference):
+        lp = torch.log_softmax(engine.score(prefix, cont).float(), -1).cpu()
+        agree += int((lp.argmax(-1) == d_arg).sum())
+        total += len(cont)
+        kl += float((d_lp.exp() * (d_lp - lp.gather(1, d_idx))).sum())
+    return agree / max(1, total), kl / max(1, total), total
+
+
+def measure_quality_curve(packed_dir: str | Path, profiles_dir: str | Path, task: str,
+                          records: list[dict], selection: str = "auto",
+                          load_ratios=CURVE_LOAD_RATIOS, shares=CURVE_COMPUTE_SHARES,
+                          alpha: float = 0.2, device: str = "cpu", dtype=None, data_name: str = "",
+                          log=lambda s: None):
+    """Agreement with dense (and KL) of ``task``'s profile on held-out ``records`` over a gamma x
+    (phi/gamma) grid, as generation computes it (selection at the prefix's prefill, decode path on
+    the continuation). delta = min(0.3, phi) as the runtime's default."""
+    from .engine import Engine
+    from .loader import SelectiveModel, load_dense
+    from .profiles import QualityCurve
+    from .tokenizer import load_tokenizer
+    tok = load_tokenizer(packed_dir)
+    pairs = agreement_pairs(tok, records)
+    if not pairs:
+        raise ValueError(f"no held-out records to measure the quality curve of {task!r}")
+    dense, _ = load_dense(packed_dir, dtype, device)
+    ref = dense_reference(Engine(dense, tok), pairs)
+    del dense
+    load_ratios, shares = sorted(load_ratios), sorted(shares)
+    agree = torch.zeros(len(load_ratios), len(shares))
+    kl = torch.zeros_like(agree)
+    resolved, tokens = selection, 0
+    for i, gamma in enumerate(load_ratios):
+        todo = [(j, s) for j, s in enumerate(shares) if not (gamma >= 1.0 and s >= 1.0)]
+        for j, s in enumerate(shares):
+            if (j, s) not in todo:
+                agree[i, j], kl[i, j] = 1.0, 0.0  # the dense model itself
+        if not todo:
+            continue
+        delta = min(0.3, gamma * min(s for _, s in todo))
+        sm = SelectiveModel(packed_dir, profiles_dir, task, gamma, delta, gamma, alpha, device, dtype,
+                            selection=selection)
+        sm._tokenizer = tok
+        resolved = sm.selection_strategy
+        engine = Engine.from_selective(sm)
+        for j, s in todo:
+            sm.set_compute_ratio(max(delta, gamma * s))
+            agree[i, j], kl[i, j], tokens = agreement_and_kl(engine, pairs, ref)
+            log(f"[curve] {task} gamma={gamma:g} phi={gamma * s:.3g}: agreement {float(agree[i, j]):.3f} "
+                f"kl {float(kl[i, j]):.3f}")
+        del sm, engine
+    return QualityCurve(list(load_ratios), list(shares), agree, kl, resolved, len(pairs), tokens,
+                        data_name)

@@ -2,11 +2,14 @@
 
 A profile file ``profiles/<model-id>/<task>.safetensors`` holds ``scores`` ``[L, I]`` float32
 (s_n = sum over counted tokens of |a_n|) and metadata: format version, task, model id, model
-fingerprint, dataset sha256 and token count. A file whose fingerprint or shape does not match the
-model is refused at load with the file name and the mismatch.
+fingerprint, dataset sha256, token count and ``sha256``, a checksum of every tensor (name, dtype,
+shape, bytes) and every other metadata entry. A file whose checksum, fingerprint or shape does not
+match is refused at load with the file name and the mismatch.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +21,20 @@ from .pack import Manifest
 from .safetensors_io import CountingReader, FormatError, read_header
 
 PROFILE_FORMAT = "selectinfer-profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: contents checksum (metadata ``sha256``), optional quality curve
+
+
+def contents_sha256(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    """Checksum of a profile's contents: metadata (but ``sha256`` itself), then each tensor's
+    name, dtype, shape and bytes, in name order. Independent of the file layout."""
+    h = hashlib.sha256()
+    h.update(json.dumps({k: v for k, v in sorted(meta.items()) if k != "sha256"},
+                        sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 @dataclass
@@ -30,18 +46,171 @@ class Profile:
     tokens: int
     dataset_sha256: str
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    info: dict[str, str] = field(default_factory=dict)  # further metadata (quality curve, method)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"format": PROFILE_FORMAT, "version": str(PROFILE_VERSION), "task": self.task,
                 "model_id": self.model_id, "fingerprint": self.fingerprint,
-                "tokens": str(self.tokens), "dataset_sha256": self.dataset_sha256}
-        tensors = {"scores": self.scores.float().contiguous(), **self.extra}
+                "tokens": str(self.tokens), "dataset_sha256": self.dataset_sha256,
+                **{k: str(v) for k, v in self.info.items() if k not in BASE_META}}
+        tensors = {"scores": self.scores.float().contiguous(),
+                   **{k: v.contiguous() for k, v in self.extra.items()}}
+        meta["sha256"] = contents_sha256(tensors, meta)
         tmp = path.with_suffix(".tmp")
         save_file(tensors, str(tmp), metadata=meta)
         tmp.replace(path)
         return path
+
+    def quality_curve(self) -> "QualityCurve | None":
+        """The measured agreement-with-dense curve stored by ``selectinfer profile``, if any."""
+        if "quality_agreement" not in self.extra:
+            return None
+        return QualityCurve(
+            [round(float(x), 6) for x in self.extra["quality_load_ratios"]],
+            [round(float(x), 6) for x in self.extra["quality_compute_shares"]],
+            self.extra["quality_agreement"].float(), self.extra["quality_kl"].float(),
+            self.info.get("quality_selection", ""), int(self.info.get("quality_items", 0)),
+            int(self.info.get("quality_tokens", 0)), self.info.get("quality_data", ""))
+
+    def set_quality_curve(self, curve: "QualityCurve") -> None:
+        self.extra.update({"quality_load_ratios": torch.tensor(curve.load_ratios),
+                           "quality_compute_shares": torch.tensor(curve.compute_shares),
+                           "quality_agreement": curve.agreement.float().contiguous(),
+                           "quality_kl": curve.kl.float().contiguous()})
+        self.info.update({"quality_selection": curve.selection, "quality_items": str(curve.items),
+                          "quality_tokens": str(curve.tokens), "quality_data": curve.data})
+
+
+@dataclass(frozen=True)
+class QualityCurve:
+    """Next-token agreement with the dense model (and KL, nats per token) measured on held-out
+    prompts of the task, per load ratio gamma (rows) and compute share phi/gamma (columns; 1.0 =
+    loading only), with the selection strategy ``selection``. Between grid points the figures
+    are interpolated linearly in gamma and in phi/gamma; outside it they are clamped."""
+
+    load_ratios: list[float]  # ascending, e.g. 0.4 ... 1.0
+    compute_shares: list[float]  # ascending, e.g. 0.7, 1.0
+    agreement: torch.Tensor  # [G, R]
+    kl: torch.Tensor  # [G, R]
+    selection: str = ""
+    items: int = 0
+    tokens: int = 0
+    data: str = ""
+
+    def __post_init__(self):
+        G, R = len(self.load_ratios), len(self.compute_shares)
+        if G < 1 or R < 1 or tuple(self.agreement.shape) != (G, R) or tuple(self.kl.shape) != (G, R):
+            raise ValueError(f"grid {G}x{R} does not match agreement {tuple(self.agreement.shape)} "
+                             f"/ kl {tuple(self.kl.shape)}")
+        if sorted(self.load_ratios) != list(self.load_ratios) or \
+                sorted(self.compute_shares) != list(self.compute_shares):
+            raise ValueError("grid not ascending")
+        if not torch.isfinite(self.agreement).all() or (self.agreement < 0).any() or \
+                (self.agreement > 1).any():
+            raise ValueError("agreement outside [0, 1]")
+
+    def _interp(self, table: torch.Tensor, load_ratio: float, compute_ratio: float | None) -> float:
+        share = 1.0 if compute_ratio is None else compute_ratio / load_ratio
+        gi = _bracket(self.load_ratios, load_ratio)
+        si = _bracket(self.compute_shares, share)
+        out = 0.0
+        for g, wg in gi:
+            for r, wr in si:
+                out += wg * wr * float(table[g, r])
+        return out
+
+    def expected_agreement(self, load_ratio: float, compute_ratio: float | None = None) -> float:
+        """Expected next-token agreement with dense at (gamma, phi) (phi None: loading only)."""
+        return self._interp(self.agreement, load_ratio, compute_ratio)
+
+    def expected_kl(self, load_ratio: float, compute_ratio: float | None = None) -> float:
+        return self._interp(self.kl, load_ratio, compute_ratio)
+
+    def load_ratio_for(self, min_agreement: float, compute_share: float = 1.0,
+                       step: float = 0.01) -> float | None:
+        """Smallest gamma (on a ``step`` grid) such that the expected agreement at compute share
+        phi/gamma = ``compute_share`` is >= ``min_agreement`` there and at every larger gamma (a
+        measured curve is noisy; a dip above a lucky point must not be skipped); None if gamma 1
+        does not reach it."""
+        lo = min(self.load_ratios)
+        n = int(round((1.0 - lo) / step))
+        best = None
+        for k in range(n, -1, -1):  # from gamma 1 down, until the first miss
+            g = round(lo + k * step, 6)
+            if self.expected_agreement(g, g * compute_share) < min_agreement - 1e-6:  # float32 tables
+                break
+            best = g
+        return best
+
+    def rows(self) -> list[dict]:
+        return [{"load_ratio": g, "compute_ratio": round(g * r, 4), "compute_share": r,
+                 "agreement": float(self.agreement[i, j]), "kl": float(self.kl[i, j])}
+                for i, g in enumerate(self.load_ratios) for j, r in enumerate(self.compute_shares)]
+
+
+def _bracket(grid: list[float], x: float) -> list[tuple[int, float]]:
+    """Indices and weights of linear interpolation of ``x`` on ascending ``grid`` (clamped)."""
+    if x <= grid[0]:
+        return [(0, 1.0)]
+    if x >= grid[-1]:
+        return [(len(grid) - 1, 1.0)]
+    for i in range(len(grid) - 1):
+        a, b = grid[i], grid[i + 1]
+        if a <= x <= b:
+            w = (x - a) / (b - a) if b > a else 0.0
+            return [(i, 1.0 - w), (i + 1, w)]
+    return [(len(grid) - 1, 1.0)]
+
+
+@dataclass(frozen=True)
+class LoadRatioChoice:
+    """The load ratio to run at, which constraint set it, and a sentence saying so."""
+
+    load_ratio: float
+    bound: str  # "min_agreement", "memory_budget" or "load_ratio"
+    message: str
+    expected_agreement: float | None = None
+
+
+def choose_load_ratio(agreement_ratio: float | None, memory_ratio: float | None,
+                      requested: float = 1.0, min_agreement: float | None = None,
+                      strict: bool = False) -> LoadRatioChoice:
+    """Combine the smallest gamma that meets ``min_agreement`` (``agreement_ratio``) with the
+    largest gamma that fits the memory budget (``memory_ratio``).
+
+    Rule: the agreement target asks for gamma >= agreement_ratio, the budget allows gamma <=
+    memory_ratio. When both hold, run at agreement_ratio (the smallest gamma meeting the target:
+    least memory, fastest) and report ``min_agreement`` as the bound. When they conflict
+    (agreement_ratio > memory_ratio) memory wins, since weights that do not fit cannot run: gamma =
+    memory_ratio, bound ``memory_budget``, and the message says the target is not met (``strict``:
+    raise ValueError instead). With only one of them, that one binds; with neither, ``requested``.
+    """
+    target = f"{min_agreement:.2f}" if min_agreement is not None else "the target"
+    if agreement_ratio is None and memory_ratio is None:
+        return LoadRatioChoice(requested, "load_ratio", f"load_ratio {requested:g} as requested")
+    if memory_ratio is None:
+        return LoadRatioChoice(agreement_ratio, "min_agreement",
+                               f"min_agreement {target} -> load_ratio {agreement_ratio:g}")
+    if agreement_ratio is None:
+        return LoadRatioChoice(memory_ratio, "memory_budget",
+                               f"memory budget -> load_ratio {memory_ratio:.3f}")
+    if agreement_ratio <= memory_ratio:
+        return LoadRatioChoice(agreement_ratio, "min_agreement",
+                               f"min_agreement {target} -> load_ratio {agreement_ratio:g} (the memory "
+                               f"budget would allow up to {memory_ratio:.3f}); bound: min_agreement")
+    msg = (f"min_agreement {target} needs load_ratio >= {agreement_ratio:g} but the memory budget "
+           f"allows at most {memory_ratio:.3f}")
+    if strict:
+        raise ValueError(msg)
+    return LoadRatioChoice(memory_ratio, "memory_budget",
+                           msg + f"; running at {memory_ratio:.3f}, below the agreement target; "
+                           f"bound: memory_budget")
+
+
+BASE_META = ("format", "version", "task", "model_id", "fingerprint", "tokens", "dataset_sha256",
+             "sha256")
 
 
 def load_profile(path: str | Path, manifest: Manifest | None = None) -> Profile:
@@ -67,6 +236,14 @@ def load_profile(path: str | Path, manifest: Manifest | None = None) -> Profile:
             raise FormatError(f"{path}: scores shape {tensors['scores'].shape}, model needs {want}")
     with CountingReader(path) as r:
         loaded = {k: r.read_tensor(v) for k, v in tensors.items()}
+    stored = meta.get("sha256")
+    if not stored:
+        raise FormatError(f"{path}: no contents checksum (sha256) in metadata; re-run "
+                          f"`selectinfer profile`")
+    actual = contents_sha256(loaded, meta)
+    if actual != stored:
+        raise FormatError(f"{path}: corrupt: contents checksum mismatch (stored sha256 "
+                          f"{stored[:16]}..., contents hash to {actual[:16]}...)")
     scores = loaded.pop("scores").float()
     if not torch.isfinite(scores).all() or (scores < 0).any():
         raise FormatError(f"{path}: scores contain negative, NaN or infinite values")
@@ -74,8 +251,14 @@ def load_profile(path: str | Path, manifest: Manifest | None = None) -> Profile:
         tokens = int(meta["tokens"])
     except (KeyError, ValueError) as e:
         raise FormatError(f"{path}: bad token count in metadata") from e
-    return Profile(meta.get("task", path.stem), meta.get("model_id", ""), meta.get("fingerprint", ""),
-                   scores, tokens, meta.get("dataset_sha256", ""), loaded)
+    prof = Profile(meta.get("task", path.stem), meta.get("model_id", ""), meta.get("fingerprint", ""),
+                   scores, tokens, meta.get("dataset_sha256", ""), loaded,
+                   {k: v for k, v in meta.items() if k not in BASE_META})
+    try:
+        prof.quality_curve()
+    except (ValueError, KeyError) as e:
+        raise FormatError(f"{path}: bad quality curve ({e})") from e
+    return prof
 
 
 def profile_path(profiles_dir: str | Path, task: str) -> Path:
@@ -110,6 +293,42 @@ class ProfileCatalog:
         prof = load_profile(profile_path(self.dir, task), self.manifest)
         self.profiles[task] = prof
         return prof
+
+    def quality_curve(self, task: str) -> QualityCurve | None:
+        """The stored agreement curve of ``task`` (None when its profile carries none)."""
+        return self.get(task).quality_curve()
+
+    def expected_agreement(self, task: str, load_ratio: float, compute_ratio: float | None = None,
+                           selection: str | None = None) -> float | None:
+        """Expected next-token agreement with dense for ``task`` at (gamma, phi), from the curve
+        measured by ``selectinfer profile``; None when there is no curve or it was measured with
+        another selection strategy than ``selection`` (``auto``/None: no check)."""
+        curve = self.quality_curve(task)
+        if curve is None:
+            return None
+        if selection not in (None, "", "auto") and curve.selection and selection != curve.selection:
+            return None
+        return curve.expected_agreement(load_ratio, compute_ratio)
+
+    def load_ratio_for_agreement(self, min_agreement: float, tasks: list[str] | None = None,
+                                 compute_share: float = 1.0) -> float:
+        """Smallest gamma whose expected agreement is >= ``min_agreement`` for every task in
+        ``tasks`` (default: all, since the node may switch to any): the largest of the per-task
+        answers. Raises ValueError when a task has no curve or cannot reach the target."""
+        if not 0.0 < min_agreement <= 1.0:
+            raise ValueError(f"min_agreement must be in (0, 1], got {min_agreement}")
+        need = 0.0
+        for task in tasks or self.tasks:
+            curve = self.quality_curve(task)
+            if curve is None:
+                raise ValueError(f"profile {task!r} in {self.dir} has no quality curve; re-run "
+                                 f"`selectinfer profile` (or `profile --curve-only`) for it")
+            g = curve.load_ratio_for(min_agreement, compute_share)
+            if g is None:
+                raise ValueError(f"task {task!r}: no load_ratio <= 1 reaches agreement "
+                                 f"{min_agreement:.2f} at compute share {compute_share:g}")
+            need = max(need, g)
+        return need
 
     def secondary_scores(self) -> torch.Tensor:
         """Cross-task fused scores ``[L, I]``: each task normalised per layer, then averaged."""

@@ -18,6 +18,7 @@ from .metrics import (RunningStats, cuda_allocated_bytes, peak_rss_bytes, proces
                       system_available_bytes)
 from .options import ModelOptions
 from .pack import read_manifest
+from .profiles import LoadRatioChoice, ProfileCatalog, choose_load_ratio
 from .paths import default_profiles_dir
 from .tokenizer import load_tokenizer
 
@@ -53,6 +54,7 @@ class Runtime:
             self.engine = Engine(model, load_tokenizer(path), context_limit=context_limit)
             self.bytes_read, self.load_seconds = nbytes, time.perf_counter() - t0
             self.task = ""
+            self.load_choice = LoadRatioChoice(1.0, "load_ratio", "the dense model")
             return
         profiles = opts.profiles or default_profiles_dir(manifest.model_id)
         if not Path(profiles).is_dir():
@@ -60,17 +62,17 @@ class Runtime:
                 raise FileNotFoundError(f"profiles folder {profiles} does not exist; run "
                                         f"`selectinfer profile` for model {manifest.model_id}")
             profiles = None
-        gamma = opts.load_ratio
-        if opts.memory_budget_mb > 0:  # the budget sets gamma; phi and delta follow from it
-            dtype = resolve_dtype(opts.dtype or None, manifest.dtype)
-            gamma = load_ratio_for_budget(manifest, dtype, int(opts.memory_budget_mb * 2**20),
-                                          opts.dense_layers)
-            if opts.compute_ratio > gamma:
-                raise ValueError(f"memory_budget_mb {opts.memory_budget_mb:g} allows load_ratio "
-                                 f"{gamma:.3f}; compute_ratio {opts.compute_ratio:g} must not "
-                                 f"exceed it (0 = load_ratio)")
-            log(f"[load] memory budget {opts.memory_budget_mb:g} MiB -> load_ratio {gamma:.3f}")
-        sized = replace(opts, load_ratio=gamma, memory_budget_mb=0.0)
+        self.load_choice = self._choose_load_ratio(opts, manifest, profiles, log)
+        gamma = self.load_choice.load_ratio
+        phi = opts.compute_ratio
+        if phi > gamma and self.load_choice.bound == "memory_budget":
+            raise ValueError(f"memory_budget_mb {opts.memory_budget_mb:g} allows load_ratio "
+                             f"{gamma:.3f}; compute_ratio {phi:g} must not exceed it (0 = "
+                             f"load_ratio)")
+        if phi > 0 and self.load_choice.bound == "min_agreement":  # keep the asked share phi/gamma
+            phi = min(gamma, phi / opts.load_ratio * gamma)
+        sized = replace(opts, load_ratio=gamma, compute_ratio=phi, memory_budget_mb=0.0,
+                        min_agreement=0.0)
         self.selective = SelectiveModel(
             path, profiles, opts.task or None, gamma, sized.effective_static_ratio,
             sized.effective_compute_ratio, opts.alpha, opts.device, opts.dtype or None,
@@ -78,6 +80,36 @@ class Runtime:
         self.engine = Engine.from_selective(self.selective, context_limit)
         self.bytes_read, self.load_seconds = self.selective.bytes_read, self.selective.load_seconds
         self.task = self.selective.task
+
+    @staticmethod
+    def _choose_load_ratio(opts: ModelOptions, manifest, profiles, log) -> LoadRatioChoice:
+        """gamma from ``load_ratio``, or from the memory budget and/or the agreement target
+        (:func:`choose_load_ratio`: the stricter wins and the message says which bound)."""
+        memory = need = None
+        if opts.memory_budget_mb > 0:
+            dtype = resolve_dtype(opts.dtype or None, manifest.dtype)
+            memory = load_ratio_for_budget(manifest, dtype, int(opts.memory_budget_mb * 2**20),
+                                           opts.dense_layers)
+        if opts.min_agreement > 0:
+            if profiles is None:
+                raise ValueError("min_agreement needs task profiles with a quality curve")
+            share = opts.compute_ratio / opts.load_ratio if opts.compute_ratio > 0 else 1.0
+            need = ProfileCatalog(profiles, manifest).load_ratio_for_agreement(
+                opts.min_agreement, [opts.task] if opts.task else None, share)
+        choice = choose_load_ratio(need, memory, opts.load_ratio, opts.min_agreement or None)
+        if memory is not None or need is not None:
+            log(f"[load] {choice.message}")
+        return choice
+
+    def expected_agreement(self, compute_ratio: float | None = None) -> float | None:
+        """Next-token agreement with the dense model that the active task's stored quality curve
+        predicts at the running gamma and ``compute_ratio`` (default: the model's); None when the
+        profile has no curve or it was measured with another selection."""
+        sm = self.selective
+        if sm is None or sm.catalog is None:
+            return None
+        phi = compute_ratio if compute_ratio is not None else sm.compute_ratio
+        return sm.catalog.expected_agreement(self.task, sm.load_ratio, phi, sm.selection_strategy)
 
     @property
     def tasks(self) -> list[str]:

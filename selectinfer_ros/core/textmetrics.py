@@ -19,6 +19,12 @@ def exact_match(prediction: str, reference: str) -> float:
     return float(normalize(prediction) == normalize(reference))
 
 
+def contains(prediction: str, reference: str) -> float:
+    """1.0 when the normalised reference appears as whole words in the normalised prediction."""
+    ref = normalize(reference)
+    return float(bool(ref) and f" {ref} " in f" {normalize(prediction)} ")
+
+
 def _char_ngrams(text: str, n: int) -> Counter:
     text = "".join(text.split())
     return Counter(text[i:i + n] for i in range(len(text) - n + 1))

@@ -32,7 +32,8 @@ THROUGHPUT_KEYS = ("last_tokens_per_second", "average_tokens_per_second",
                    "last_rejection", "lifecycle_state")
 PROFILE_KEYS = ("active_task", "tasks", "model_id", "load_ratio", "static_ratio", "compute_ratio",
                 "neurons_loaded", "profile_switches", "last_reload_seconds",
-                "last_reload_bytes_read", "full_load_seconds", "full_load_bytes_read")
+                "last_reload_bytes_read", "full_load_seconds", "full_load_bytes_read",
+                "expected_agreement", "load_ratio_bound")
 
 
 @dataclass
@@ -68,6 +69,8 @@ class Snapshot:
     last_reload_bytes_read: int = 0
     full_load_seconds: float = 0.0
     full_load_bytes_read: int = 0
+    expected_agreement: float | None = None  # the active profile's quality curve at gamma/phi
+    load_ratio_bound: str = ""  # what chose load_ratio: load_ratio, memory_budget, min_agreement
 
     @property
     def queue_full(self) -> bool:
@@ -151,12 +154,16 @@ def profile_status(s: Snapshot) -> DiagnosticStatus:
         "last_reload_bytes_read": int(s.last_reload_bytes_read),
         "full_load_seconds": float(s.full_load_seconds),
         "full_load_bytes_read": int(s.full_load_bytes_read),
+        "expected_agreement": "n/a" if s.expected_agreement is None else float(s.expected_agreement),
+        "load_ratio_bound": s.load_ratio_bound,
     }
     if not s.model_loaded:
         level, msg = ERROR, _not_loaded(s)
     else:
+        agreement = ("" if s.expected_agreement is None else
+                     f", expected next-token agreement with dense {s.expected_agreement:.2f}")
         level, msg = OK, (f"task {s.active_task or '-'} on {s.model_id}, load_ratio {s.load_ratio:g}, "
-                          f"compute_ratio {s.compute_ratio:g}")
+                          f"compute_ratio {s.compute_ratio:g}{agreement}")
     return _status(f"{s.node_name}: profile", s.device, level, msg, values)
 
 

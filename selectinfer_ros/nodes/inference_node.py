@@ -387,6 +387,8 @@ class InferenceNode(LifecycleNodeMixin, Node):
         snap.last_reload_seconds = last.seconds if last else 0.0
         snap.last_reload_bytes_read = last.bytes_read if last else 0
         snap.full_load_seconds, snap.full_load_bytes_read = rt.load_seconds, rt.bytes_read
+        snap.expected_agreement = rt.expected_agreement(snap.compute_ratio)
+        snap.load_ratio_bound = rt.load_choice.bound
         return snap
 
     def publish_diagnostics(self) -> DiagnosticArray:

@@ -64,3 +64,25 @@ def test_text_metrics():
     assert 0 < chrf(["le chien dort"], ["le chat dort"]) < 100
     assert rouge_l("a robot picks the cup", "the robot picks up a cup") > 0.5
     assert rouge_l("", "x") == 0.0
+
+
+def test_eval_cross_phrasing_quick(embedded, embedded_profiles, tmp_path):
+    """Both directions (profiles of one phrasing on prompts of the other); the per-task agreement
+    and the stored curve's prediction sit beside each other."""
+    _cli("eval", "--quick", "--cross-phrasing", "--alt-profiles", str(embedded_profiles), "--only",
+         "loading_only", "--headline-only", "--threads", "1", "--out", str(tmp_path), timeout=1500)
+    rows = json.loads((tmp_path / "eval.json").read_text())
+    assert {r["direction"] for r in rows} == {"A->B", "B->A"}
+    assert {r["data"].rsplit("/", 1)[-1] for r in rows} == {"eval", "eval_alt"}
+    for r in rows:
+        assert 0 <= r["qa_em"] <= 1 and 0 <= r["task_agreement"] <= 1 and "mean4_frac" in r
+        if r["method"] == "dense":
+            assert r["task_agreement"] == 1.0 and r["qa_agreement"] == 1.0
+        else:
+            assert 0 < r["qa_kl"] and r["qa_agreement"] < 1.0
+
+
+def test_answer_containment():
+    from selectinfer_ros.core.textmetrics import contains
+    assert contains(" Leonardo da Vinci painted it", "Leonardo da Vinci") == 1.0
+    assert contains(" Parisian", "Paris") == 0.0 and contains("", "x") == 0.0

@@ -83,3 +83,35 @@ def test_verify_command(tiny_models):
     _, packed = tiny_models["tiny-qwen2"]
     out = _cli("verify", str(packed))
     assert out.returncode == 0 and "intact" in out.stderr
+
+
+def test_users_own_task_from_plain_text_gets_a_curve_and_min_agreement_uses_it(tiny_models, tiny_profiles,
+                                                                              tmp_path):
+    """`profile --task my_task --data my_prompts.txt`: plain text lines, a quality curve measured on
+    held-out lines, shown by `profile show`; `generate --min-agreement` picks gamma from it."""
+    import shutil
+    _, packed = tiny_models["tiny-llama"]
+    d = tmp_path / "profiles"
+    shutil.copytree(tiny_profiles["tiny-llama"], d)
+    prompts = tmp_path / "my_prompts.txt"
+    prompts.write_text("\n".join(f"w{i} w{i + 3} w{i + 7} w{i + 1} w{i + 2} w{i + 9}" for i in range(5, 25)) + "\n")
+    out = _cli("profile", str(packed), "--task", "my_task", "--data", str(prompts), "--out", str(d),
+               "--threads", "1")
+    assert out.returncode == 0, out.stderr
+    assert "task my_task: next-token agreement with dense" in out.stdout
+    assert (d / "my_task.safetensors").exists()
+    plot = tmp_path / "curves.png"
+    show = _cli("profile", "show", str(d), "--plot", str(plot))
+    assert show.returncode == 0, show.stderr
+    assert "task my_task: next-token agreement" in show.stdout and plot.stat().st_size > 0
+    gen = _cli("generate", "--model", str(packed), "--profiles", str(d), "--task", "my_task",
+               "--min-agreement", "0.5", "--json", "--max-new-tokens", "2", "w5 w6")
+    assert gen.returncode == 0, gen.stderr
+    assert "min_agreement 0.50 -> load_ratio" in gen.stderr
+    res = json.loads(gen.stdout)
+    from selectinfer_ros.core.profiles import load_profile
+    curve = load_profile(d / "my_task.safetensors").quality_curve()
+    assert res["task"] == "my_task" and res["load_ratio"] == curve.load_ratio_for(0.5)
+    both = _cli("generate", "--model", str(packed), "--profiles", str(d), "--task", "my_task",
+                "--min-agreement", "1.0", "--memory-budget", "0.0001", "--json", "w5")
+    assert "bound: memory_budget" in both.stderr or "leaves no room" in both.stderr

@@ -36,3 +36,23 @@ def test_options_are_validated_in_one_place():
         from_values(ModelOptions, {"load_ratio": 0.5, "compute_ratio": 0.8})
     assert from_values(ModelOptions, {"static_ratio": -1.0}).effective_static_ratio == 0.3
     assert from_values(ModelOptions, {"load_ratio": 1}).load_ratio == 1.0  # an int for a float
+
+
+def test_min_agreement_and_memory_budget_the_stricter_wins(embedded, embedded_profiles):
+    """gamma from the stored quality curve; a memory budget below it wins and says so."""
+    base = dict(model=str(embedded), profiles=str(embedded_profiles), task="qa")
+    logs: list[str] = []
+    rt = Runtime(ModelOptions(**base, min_agreement=0.6), log=logs.append)
+    curve = rt.selective.catalog.quality_curve("qa")
+    assert rt.load_choice.bound == "min_agreement" and rt.load_ratio == curve.load_ratio_for(0.6)
+    assert rt.expected_agreement() >= 0.6
+    assert any("min_agreement 0.60 -> load_ratio" in line for line in logs)
+    other = rt.memory()["other_weight_bytes"]
+    ffn_full = rt.memory()["ffn_weight_bytes"] / rt.load_ratio
+    tight_mb = (other + 0.5 * ffn_full) / 2**20  # room for about gamma 0.5
+    del rt
+    logs.clear()
+    rt = Runtime(ModelOptions(**base, min_agreement=0.99, memory_budget_mb=tight_mb),
+                 log=logs.append)
+    assert rt.load_choice.bound == "memory_budget" and rt.load_ratio <= 0.5
+    assert any("bound: memory_budget" in line for line in logs)

@@ -90,3 +90,21 @@ def test_demo_command(embedded_ready):
                    '[3/4]', 'full model load', '[4/4]', '[OK] selectinfer_node: memory',
                    'selectinfer_node: throughput', 'selectinfer_node: profile', '== done'):
         assert needle in out, f'{needle!r} missing from:\n{out}'
+
+
+def test_min_agreement_parameter_and_expected_agreement_in_diagnostics(llm_graph, embedded_ready):
+    """`min_agreement` picks gamma from the shipped profiles' quality curves; the diagnostics say
+    which bound chose it and the agreement the curve expects at the running gamma/phi."""
+    from selectinfer_ros.nodes import diagnostics as diag
+    g = llm_graph(model='', profiles='', task='qa', load_ratio=1.0, compute_ratio=0.0,
+                  static_ratio=0.3, min_agreement=0.6).ready(timeout=180.0)
+    rt = g.node.runtime
+    curve = rt.selective.catalog.quality_curve('qa')
+    assert curve is not None
+    assert rt.load_choice.bound == 'min_agreement' and rt.load_ratio < 1.0
+    assert rt.load_ratio == curve.load_ratio_for(0.6)
+    prof = diag.as_dict(g.node.publish_diagnostics().status[2])
+    assert prof['load_ratio_bound'] == 'min_agreement'
+    expected = float(prof['expected_agreement'])
+    assert 0.6 <= expected <= 1.0
+    assert abs(expected - curve.expected_agreement(rt.load_ratio, rt.compute_ratio)) < 1e-6
