@@ -281,10 +281,14 @@ class ProfileCatalog:
 
     @property
     def tasks(self) -> list[str]:
-        return sorted(self.profiles)
+        """The tasks loaded, and any profile added to the folder since (read on first use): a
+        running node switches to a new task by name."""
+        return sorted(set(self.profiles) | {p.stem for p in self.dir.glob("*.safetensors")})
 
     def get(self, task: str) -> Profile:
         if task not in self.profiles:
+            if profile_path(self.dir, task).exists():
+                return self.reload(task)
             raise KeyError(f"unknown task {task!r}; profiles in {self.dir}: {', '.join(self.tasks)}")
         return self.profiles[task]
 

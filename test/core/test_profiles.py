@@ -240,3 +240,18 @@ def test_catalog_expected_agreement_and_min_agreement(tiny_models, tiny_profiles
     cat = ProfileCatalog(d, read_manifest(packed))
     assert cat.load_ratio_for_agreement(0.8) == pytest.approx(0.8)  # beta needs ~0.78, alpha 0.80
     assert cat.load_ratio_for_agreement(0.9) == pytest.approx(0.9)  # beta needs 0.9 (0.92 at 0.9)
+
+
+def test_a_profile_added_to_the_folder_is_found_by_name(tiny_models, tiny_profiles, tmp_path):
+    """A user's new task file is served by name by an already running model (no restart)."""
+    import shutil
+
+    from selectinfer_ros.core.loader import SelectiveModel
+    d = tmp_path / "profiles"
+    shutil.copytree(tiny_profiles["tiny-llama"], d)
+    sm = SelectiveModel(tiny_models["tiny-llama"][1], d, "alpha", load_ratio=0.6, static_ratio=0.2)
+    assert sm.catalog.tasks == ["alpha", "beta"]
+    shutil.copy(d / "beta.safetensors", d / "my_task.safetensors")
+    assert sm.catalog.tasks == ["alpha", "beta", "my_task"]
+    report = sm.switch_task("my_task")
+    assert report.task == "my_task" and sm.task == "my_task"
