@@ -28,7 +28,7 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 
 from .client import wait_future
-from .tools.common import init_context, ns_name
+from .tools.common import init_context, ns_name, spin_in_background
 
 CONFIG_NAMES = ("desktop.yaml", "jetson_orin_nano.yaml")
 LOAD_TIMEOUT = 1800.0  # seconds for selectinfer_node's configure (a first run converts the model)
@@ -92,14 +92,7 @@ class Bringup:
         self.executor = MultiThreadedExecutor(num_threads=num_threads, context=self.context)
         for node in (self.inference, self.manager, self.helper):
             self.executor.add_node(node)
-        self._thread = threading.Thread(target=self._spin, name="bringup-spin", daemon=True)
-        self._thread.start()
-
-    def _spin(self) -> None:
-        try:
-            self.executor.spin()
-        except Exception:  # noqa: BLE001 - context shut down
-            pass
+        self._thread = spin_in_background(self.executor, "bringup-spin")
 
     def change_state(self, node: str, transition_id: int, timeout: float) -> bool:
         """Ask node ``node`` for a lifecycle transition through its change_state service (what

@@ -243,21 +243,14 @@ class LLMClient:
 
         from rclpy.executors import MultiThreadedExecutor
 
-        from .tools.common import init_context
+        from .tools.common import init_context, spin_in_background
         context = init_context(args)
         node = Node(f"{name}_{os.getpid()}", context=context)
         client = cls(node, namespace, **kwargs)
         executor = MultiThreadedExecutor(num_threads=2, context=context)
         executor.add_node(node)
 
-        def spin() -> None:
-            try:
-                executor.spin()
-            except Exception:  # noqa: BLE001 - shutting down
-                pass
-
-        thread = threading.Thread(target=spin, name=f"{name}-spin", daemon=True)
-        thread.start()
+        thread = spin_in_background(executor, f"{name}-spin")
         client._owned = _Owned(context, executor, thread)
         return client
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 
 import py_trees
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from rclpy.executors import MultiThreadedExecutor
     from rclpy.node import Node
 
-    from ..tools.common import init_context
+    from ..tools.common import init_context, spin_in_background
     ap = argparse.ArgumentParser(prog="python -m selectinfer_ros.examples.bt_patrol",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--scene", default=DEFAULT_SCENE, help="what the robot sees")
@@ -84,14 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     executor.add_node(node)
 
-    def spin() -> None:
-        try:
-            executor.spin()
-        except Exception:  # noqa: BLE001 - shutting down
-            pass
-
-    spinner = threading.Thread(target=spin, daemon=True)
-    spinner.start()
+    spinner = spin_in_background(executor, "bt_patrol-spin")
     try:
         deadline = time.monotonic() + args.timeout
         last: list = []

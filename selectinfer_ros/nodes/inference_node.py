@@ -427,14 +427,8 @@ def spin_node(node, num_threads: int = 6) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
 
-    def spin() -> None:
-        try:
-            executor.spin()
-        except Exception:  # noqa: BLE001 - context shut down
-            pass
-
-    thread = threading.Thread(target=spin, name="executor", daemon=True)
-    thread.start()
+    from ..tools.common import spin_in_background
+    thread = spin_in_background(executor)
     while not stop.wait(0.2):
         if not node.context.ok() or not thread.is_alive():
             break

@@ -29,6 +29,19 @@ def ns_name(namespace: str, name: str) -> str:
     return f"{ns}/{name}"
 
 
+def spin_in_background(executor, name: str = "executor") -> threading.Thread:
+    """Spin ``executor`` in a started daemon thread that ends quietly when the context goes."""
+    def spin() -> None:
+        try:
+            executor.spin()
+        except Exception:  # noqa: BLE001 - context shut down
+            pass
+
+    thread = threading.Thread(target=spin, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 class RosClient:
     """``with RosClient('name') as c: ...``: a node spun by a background executor thread."""
 
@@ -39,14 +52,7 @@ class RosClient:
         self.node = Node(f"{name}_{os.getpid()}", context=self.context)
         self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
         self.executor.add_node(self.node)
-        self._thread = threading.Thread(target=self._spin, daemon=True)
-        self._thread.start()
-
-    def _spin(self) -> None:
-        try:
-            self.executor.spin()
-        except Exception:  # noqa: BLE001 - shutting down
-            pass
+        self._thread = spin_in_background(self.executor, f"{name}-spin")
 
     def close(self) -> None:
         self.executor.shutdown(timeout_sec=3.0)
