@@ -20,6 +20,7 @@ import argparse
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import rclpy
@@ -27,7 +28,6 @@ from rclpy.executors import MultiThreadedExecutor
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
-from .client import wait_future
 from .tools.common import init_context, ns_name, spin_in_background
 
 CONFIG_NAMES = ("desktop.yaml", "jetson_orin_nano.yaml")
@@ -56,12 +56,16 @@ def resolve_params_file(name: str | None) -> Path | None:
     raise FileNotFoundError(f"parameters file {name} not found (nor in {config_dir()})")
 
 
+class Interrupted(RuntimeError):
+    """Ctrl-C (or SIGTERM) came while bringing the nodes up."""
+
+
 class Bringup:
     """Both nodes in one process, spun by a background MultiThreadedExecutor."""
 
     def __init__(self, params_file: str | Path | None = None, namespace: str = "llm",
                  overrides: dict | None = None, ros_args: list[str] | None = None,
-                 num_threads: int = 8):
+                 num_threads: int = 8, interrupt: threading.Event | None = None):
         from .client import LLMClient
         from .nodes.inference_node import InferenceNode
         from .nodes.profile_manager import ProfileManager
@@ -70,6 +74,7 @@ class Bringup:
             args += ["--params-file", str(params_file)]
         args += list(ros_args or [])
         self.namespace = namespace
+        self.interrupt = interrupt or threading.Event()  # set: stop waiting for transitions
         self.context = init_context(args)
         overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
         node_params = [Parameter(k, value=v) for k, v in overrides.items()]
@@ -105,10 +110,14 @@ class Bringup:
                 raise RuntimeError(f"service {name} not available")
             req = ChangeState.Request()
             req.transition.id = transition_id
-            try:
-                return bool(wait_future(client.call_async(req), timeout).success)
-            except TimeoutError:
-                raise TimeoutError(f"{name}: no answer within {timeout:g} s") from None
+            future = client.call_async(req)
+            end = time.monotonic() + timeout
+            while not future.done():
+                if self.interrupt.wait(0.01):
+                    raise Interrupted(f"interrupted while waiting for {name}")
+                if time.monotonic() > end:
+                    raise TimeoutError(f"{name}: no answer within {timeout:g} s")
+            return bool(future.result().success)
         finally:
             self.helper.destroy_client(client)
 
@@ -207,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bringup] parameters {params_file or '(node defaults)'}, namespace /{args.namespace}",
           flush=True)
     try:
-        bringup = Bringup(params_file, args.namespace, overrides_from_args(args), ros_args)
+        bringup = Bringup(params_file, args.namespace, overrides_from_args(args), ros_args,
+                          interrupt=stop)
     except ParamError as e:
         print(f"bringup: parameter refused: {e}", file=sys.stderr)
         return 2
@@ -223,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         while not stop.wait(0.5):
             if not bringup.context.ok():
                 break
+    except Interrupted as e:
+        print(f"[bringup] {e}", flush=True)
     except (RuntimeError, TimeoutError) as e:
         print(f"bringup: {e}", file=sys.stderr)
         rc = 1

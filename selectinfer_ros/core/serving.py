@@ -158,6 +158,7 @@ class Server:
         self._queue: collections.deque = collections.deque()
         self._in_system = 0  # admitted goals not finished (running + waiting)
         self._running: GoalJob | None = None
+        self._reloading = False  # a reload is running on the worker
         self._stopping = False
         self._worker: threading.Thread | None = None
         self._check_lock = threading.Lock()  # the goal callbacks' own tokenizer
@@ -185,6 +186,7 @@ class Server:
                     self._running = job
                 elif isinstance(job, _Reload):
                     job.state = "running"
+                    self._reloading = True
             try:
                 if isinstance(job, GoalJob):
                     self._run_goal(job)
@@ -195,8 +197,9 @@ class Server:
             except Exception as e:  # noqa: BLE001 - never let the worker die
                 self.log(f"worker: unexpected {type(e).__name__}: {e}")
             finally:
-                if isinstance(job, GoalJob):
-                    with self._lock:
+                with self._lock:
+                    self._reloading = False
+                    if isinstance(job, GoalJob):
                         self._running = None
                         self._in_system -= 1
 
@@ -510,6 +513,9 @@ class Server:
         with self._cond:
             if self._stopping or self._worker is None or not self._worker.is_alive():
                 raise Rejected(NO_MODEL, "node shutting down")
+            if (task in ("", self.task) and not self._reloading
+                    and not any(isinstance(j, _Reload) for j in self._queue)):
+                return None  # no switch ahead could change the task: no need to wait for goals
             self._queue.append(job)
             self._cond.notify()
         if not job.done.wait(timeout):

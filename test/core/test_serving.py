@@ -151,6 +151,32 @@ def test_reload_waits_in_the_queue_is_abandoned_on_timeout_and_never_runs_late(s
     assert e.value.code == serving.UNKNOWN_TASK and server.task == "beta"
 
 
+def test_reload_of_the_active_task_answers_at_once_while_a_goal_runs(server):
+    """A profile manager activating on the task the node already runs must not wait for the
+    goal in flight (a bringup did, and a Ctrl-C then waited for the whole generation); a reload
+    queued ahead keeps the order."""
+    gate = threading.Event()
+    running = Client(server, max_new_tokens=10, gate=gate)
+    assert running.started.wait(10.0)
+    t0 = time.monotonic()
+    assert server.reload("alpha", timeout=5.0) is None
+    assert server.reload("", timeout=5.0) is None
+    assert time.monotonic() - t0 < 1.0 and running.job.outcome is None
+    box = {}
+    ahead = threading.Thread(target=lambda: box.update(r=server.reload("beta", timeout=30.0)))
+    ahead.start()
+    time.sleep(0.1)
+    behind = threading.Thread(target=lambda: box.update(a=server.reload("alpha", timeout=30.0)))
+    behind.start()
+    time.sleep(0.2)
+    assert "a" not in box  # waits behind the queued switch to beta
+    gate.set()
+    ahead.join(30.0)
+    behind.join(30.0)
+    assert box["r"].task == "beta" and box["a"].task == "alpha" and server.task == "alpha"
+    assert running.outcome.status == "succeeded"
+
+
 def test_a_started_reload_completes_before_its_caller_hears_back(server, monkeypatch):
     rt = server.runtime
     real = rt.switch_task
