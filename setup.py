@@ -36,7 +36,7 @@ setup(
     name=package_name,
     version='0.1.0',
     packages=find_packages(exclude=['test', 'test.*']),
-    package_data={package_name: ['data/*/*.jsonl']},
+    package_data={package_name: ['data/*/*.jsonl', 'core/kernels/*.c']},
     data_files=data_files,
     install_requires=[
         'setuptools',

@@ -47,6 +47,7 @@ class Subject:
     prefill: list[float] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)
     selection: list[float] = field(default_factory=list)
+    weights: str = "float"
     shares: dict[str, float] = field(default_factory=dict)
     bytes_per_token: int = 0
 
@@ -78,7 +79,7 @@ def bytes_per_decode_token(model: nn.Module, selective: SelectiveModel | None) -
     total = _unique_bytes(model)
     emb = model.get_input_embeddings().weight
     head = getattr(model, "lm_head", None)
-    if not (isinstance(head, nn.Linear) and head.weight.data_ptr() == emb.data_ptr()):
+    if head is None or head.weight.data_ptr() != emb.data_ptr():
         total -= emb.numel() * emb.element_size()
     if selective is not None:
         for m in selective.mlps:
@@ -126,20 +127,6 @@ class PhaseTimer:
             h.remove()
 
 
-def _timed_select(sm: SelectiveModel, sink: list[float]):
-    """Wrap every layer's ``_select`` to add its time to ``sink[-1]``."""
-    for mlp in sm.mlps:
-        orig = mlp._select
-
-        def timed(h, _orig=orig):
-            t0 = time.perf_counter()
-            _orig(h)
-            if h.is_cuda:
-                torch.cuda.synchronize()
-            sink[-1] += time.perf_counter() - t0
-        mlp._select = timed
-
-
 def _load(subject: Subject, make) -> None:
     base = _reset_peak()
     t0 = time.perf_counter()
@@ -171,24 +158,30 @@ def build_subjects(args, model_path: Path, profiles: Path | None, log) -> list[S
                      load_seconds=dense.load_seconds, bytes_read=dense.bytes_read,
                      weight_bytes=dense.weight_bytes, peak_rss_bytes=dense.peak_rss_bytes)
         subjects.append(hf)
-    by_gamma: dict[float, SelectiveModel] = {}
-    for gamma, phi in grid:
-        s = Subject(f"selectinfer {gamma:g}/{phi:g}", "selectinfer", gamma, phi)
-        if gamma not in by_gamma:
-            def make_sel(s: Subject, gamma=gamma) -> None:
-                sm = SelectiveModel(model_path, profiles, args.task or None, gamma,
-                                    min(0.3, min(p for g, p in grid if g == gamma)), gamma,
-                                    device=args.device, dtype=args.dtype, log=log)
-                sm._tokenizer = tok
-                by_gamma[gamma] = sm
-            _load(s, make_sel)
-        else:
-            first = next(x for x in subjects if x.method == "selectinfer" and x.load_ratio == gamma)
-            s.load_seconds, s.peak_rss_bytes = first.load_seconds, first.peak_rss_bytes
-        sm = by_gamma[gamma]
-        s.model, s.engine = sm.model, Engine.from_selective(sm)
-        s.bytes_read, s.weight_bytes = sm.bytes_read, sm.weight_bytes()["total"]
-        subjects.append(s)
+    by_gamma: dict[tuple[str, float], SelectiveModel] = {}
+    for weights in args.weights:
+        path = model_path if weights == "float" else int8_pack_of(model_path, log)
+        for gamma, phi in grid:
+            tag = "" if weights == "float" else f" {weights}"
+            s = Subject(f"selectinfer{tag} {gamma:g}/{phi:g}", "selectinfer", gamma, phi,
+                        weights=weights)
+            key = (weights, gamma)
+            if key not in by_gamma:
+                def make_sel(s: Subject, gamma=gamma, path=path, key=key) -> None:
+                    sm = SelectiveModel(path, profiles, args.task or None, gamma,
+                                        min(0.3, min(p for g, p in grid if g == gamma)), gamma,
+                                        device=args.device, dtype=args.dtype, log=log)
+                    sm.tokenizer = tok
+                    by_gamma[key] = sm
+                _load(s, make_sel)
+            else:
+                first = next(x for x in subjects if x.method == "selectinfer"
+                             and x.load_ratio == gamma and x.weights == weights)
+                s.load_seconds, s.peak_rss_bytes = first.load_seconds, first.peak_rss_bytes
+            sm = by_gamma[key]
+            s.model, s.engine = sm.model, Engine.from_selective(sm)
+            s.bytes_read, s.weight_bytes = sm.bytes_read, sm.weight_bytes()["total"]
+            subjects.append(s)
     if args.device == "cpu" and not args.no_quant:
         for bits in (8, 4):
             def make_q(s: Subject, bits=bits) -> None:
@@ -223,9 +216,9 @@ def run_once(s: Subject, prompt: list[int], new_tokens: int) -> None:
         return
     cfg = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True,
                            compute_ratio=s.compute_ratio if s.method == "selectinfer" else None)
-    s.selection.append(0.0)
     res = s.engine.generate(prompt, cfg)
     m = res.metrics
+    s.selection.append(m.selection_seconds)
     s.decode.append(m.tokens_per_second)
     s.prefill.append(m.prefill_tokens_per_second)
     s.ttft.append(m.time_to_first_token)
@@ -291,8 +284,6 @@ def run(args: argparse.Namespace) -> list[dict]:
             sm = s.engine.selective
             sm.set_compute_ratio(s.compute_ratio)
             s.bytes_per_token = bytes_per_decode_token(s.model, sm)
-            if s.compute_ratio < s.load_ratio:
-                _timed_select(sm, s.selection)
         else:
             s.bytes_per_token = bytes_per_decode_token(s.model, None)
     for r in range(args.repeats):
@@ -324,6 +315,7 @@ def row_of(s: Subject, dense: Subject, model_id: str, bw: float, args, threads: 
     row = {
         "model": model_id, "name": s.name, "method": s.method, "load_ratio": s.load_ratio,
         "compute_ratio": s.compute_ratio, "dtype": str(args.dtype or "packed"), "threads": threads,
+        "weights": s.weights,
         "decode_tokens_per_second": decode,
         "decode_tokens_per_second_min": min(s.decode) if s.decode else 0.0,
         "decode_tokens_per_second_max": max(s.decode) if s.decode else 0.0,
@@ -346,6 +338,25 @@ def row_of(s: Subject, dense: Subject, model_id: str, bw: float, args, threads: 
     return row
 
 
+def int8_pack_of(packed: Path, log) -> Path:
+    """The int8 pack (``pack --weights int8``) of a float packed model, made once beside it from
+    the checkpoint it was packed from."""
+    from .filelock import exclusive_lock
+    from .pack import is_packed, pack
+    target = packed.with_name(packed.name + "-int8")
+    with exclusive_lock(packed.parent / ".int8.lock", log, "the int8 pack"):
+        if is_packed(target):
+            return target
+        src = Path(json.loads((packed / "manifest.json").read_text()).get("source", ""))
+        if not (src / "config.json").exists():
+            raise FileNotFoundError(f"{packed}: its checkpoint {src} is gone; make the int8 pack "
+                                    f"with `selectinfer pack HF_DIR {target} --weights int8`")
+        m = read_manifest(packed)
+        log(f"[bench] packing int8 weights of {m.model_id} (once) -> {target}")
+        pack(src, target, model_id=m.model_id, dtype=m.dtype, weights="int8", log=log)
+    return target
+
+
 def resolve_model(args, log) -> tuple[Path, Path | None]:
     """The packed model (and profiles) to bench: --model, a random --preset, or the embedded one."""
     from .default_model import cache_root, ensure_packed
@@ -359,6 +370,9 @@ def resolve_model(args, log) -> tuple[Path, Path | None]:
             log(f"[bench] writing random-weight {args.preset} (once) ...")
             make_random_model(args.preset, root / "hf", dtype=torch.bfloat16)
             pack(root / "hf", packed, model_id=f"random-{args.preset}", log=log)
+        if "int8" in args.weights:  # made from the checkpoint, which then goes
+            int8_pack_of(packed, log)
+        if (root / "hf").exists():
             import shutil
             shutil.rmtree(root / "hf")
         profiles = root / "profiles"
@@ -408,6 +422,8 @@ def print_table(rows: list[dict]) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .plots import tradeoff_plot
+    if args.weights is None:
+        args.weights = ["float"] if args.quick else ["float", "int8"]
     if args.quick:
         args.repeats = min(args.repeats, 2)
         args.new_tokens = min(args.new_tokens, 8)
@@ -437,7 +453,10 @@ def register(sub) -> None:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--grid", nargs="+", help="gamma,phi pairs (default: 1,1 0.9,0.7 0.7,0.7 0.7,0.5 0.5,0.35)")
-    p.add_argument("--no-quant", action="store_true", help="skip int8/int4")
+    p.add_argument("--weights", nargs="+", choices=["float", "int8"], default=None,
+                   help="SelectInfer rows over float and/or int8 neuron records (default: both; "
+                        "--quick: float)")
+    p.add_argument("--no-quant", action="store_true", help="skip torch int8/int4 weight-only")
     p.add_argument("--llama-cpp", help="llama.cpp build folder (has llama-bench)")
     p.add_argument("--quick", action="store_true", help="small grid, few tokens (CI)")
     p.add_argument("--out", help="folder for bench.json and the plot")

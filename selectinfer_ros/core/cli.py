@@ -9,6 +9,7 @@ from pathlib import Path
 from .engine import GenerationConfig
 from .escapes import process_escapes
 from .options import ModelOptions, ParamError, add_arguments, from_namespace
+from .pack import WEIGHTS
 
 
 def _log(msg: str) -> None:
@@ -35,7 +36,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
     from .loader import resolve_dtype
     from .pack import pack
     pack(args.hf_dir, args.out_dir, model_id=args.model_id,
-         dtype=resolve_dtype(args.dtype, None) if args.dtype else None, log=_log)
+         dtype=resolve_dtype(args.dtype, None) if args.dtype else None, weights=args.weights,
+         log=_log)
     return 0
 
 
@@ -253,7 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("hf_dir")
     p.add_argument("out_dir")
     p.add_argument("--model-id")
-    p.add_argument("--dtype")
+    p.add_argument("--dtype", help="float dtype of what is not int8 (default: the checkpoint's)")
+    p.add_argument("--weights", choices=WEIGHTS, default="float",
+                   help="int8: neuron records, attention and output layer as int8 rows with "
+                        "per-row scales; int8-ffn: only the neuron records")
     p.set_defaults(func=cmd_pack)
 
     p = sub.add_parser("profile", help="profile a task (`selectinfer profile show DIR` summarises)")

@@ -140,6 +140,33 @@ def validate_choices(choices: list[str], engine: "Engine", prompt_tokens: int = 
                              f"tokens the context ({engine.context_limit}) leaves {max(room, 0)}")
 
 
+class Detokenizer:
+    """Text of a growing token sequence, one token at a time, decoding only a short window
+    (the tokens since the last completed piece of text), so a step costs O(1) in the output
+    length. The text equals decoding the whole sequence; an incomplete UTF-8 character waits
+    for the tokens that complete it."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # window start: context for the pieces that follow
+        self._read = 0  # tokens whose text is in self.text
+
+    def add(self, token: int) -> str:
+        """Append ``token``; returns the text it completes (may be empty)."""
+        self.ids.append(token)
+        dec = self.tokenizer.decode
+        before = dec(self.ids[self._prefix:self._read], skip_special_tokens=True)
+        after = dec(self.ids[self._prefix:], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        delta = after[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
+        return delta
+
+
 def _stop_hold(text: str, stops: list[str]) -> int:
     """Characters at the end of ``text`` that could still grow into a stop string."""
     hold = 0
@@ -224,49 +251,62 @@ class Engine:
             if restore is not None:
                 sm.set_compute_ratio(restore)
 
+    def _start(self, input_ids: torch.Tensor) -> None:
+        """Mark the next forward as a request's prefill (selection runs there)."""
+        if self.state is not None:
+            bos = self.tokenizer.bos_token_id
+            self.state.start_prefill((input_ids[0] != bos).float() if bos is not None else None)
+
+    def _end_prefill(self, metrics: RequestMetrics | None = None) -> None:
+        if self.state is not None:
+            self.state.prefill = False
+            if metrics is not None:
+                metrics.selection_seconds = self.state.select_seconds
+
     def _run(self, ids, config, max_new, metrics, gen, on_text, cancel, t0) -> GenerationResult:
         input_ids = torch.tensor([ids], device=self.device)  # [1, T]
         cache = DynamicCache(config=self.model.config)
-        if self.state is not None:
-            bos = self.tokenizer.bos_token_id
-            self.state.token_weight = (input_ids[0] != bos).float() if bos is not None else None
-            self.state.prefill = True
-        history = torch.zeros(self.model.config.vocab_size, dtype=torch.bool)
-        history[torch.tensor(ids)] = True
-        new_ids: list[int] = []
+        self._start(input_ids)
+        greedy = config.temperature == 0 and config.repetition_penalty == 1.0
+        history = None
+        if not greedy:
+            history = torch.zeros(self.model.config.vocab_size, dtype=torch.bool)
+            history[torch.tensor(ids)] = True
+        detok = Detokenizer(self.tokenizer)
+        new_ids = detok.ids
         emitted = 0
         text = ""
         finish = "length"
+        stops = [s for s in config.stop if s]
         try:
             if cancel is not None and cancel():
                 raise Canceled
             kw = {self._cache_kw: cache, "use_cache": True}
             logits = self.model(input_ids, logits_to_keep=1, **kw).logits[0, -1]
-            tok = self._sample(logits, config, history, gen)
+            tok = int(torch.argmax(logits)) if greedy else self._sample(logits, config, history, gen)
             t_first = time.perf_counter()
             metrics.prefill_seconds = metrics.time_to_first_token = t_first - t0
-            if self.state is not None:
-                self.state.prefill = False
+            self._end_prefill(metrics)
             step = torch.empty(1, 1, dtype=torch.long, device=self.device)
             while True:
-                new_ids.append(tok)
-                history[tok] = True
                 if tok in self.eos_ids and not config.ignore_eos:
-                    new_ids.pop()
                     finish = "stop"
                     break
-                text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
-                stop_at = min((i for i in (text.find(s) for s in config.stop if s) if i >= 0),
-                              default=-1)
-                if stop_at >= 0:
-                    text = text[:stop_at]
-                    finish = "stop"
-                    break
+                delta = detok.add(tok)
+                if history is not None:
+                    history[tok] = True
+                text = detok.text
+                if stops and delta:
+                    start = max(0, len(text) - len(delta) - max(map(len, stops)))
+                    stop_at = min((i for i in (text.find(s, start) for s in stops) if i >= 0),
+                                  default=-1)
+                    if stop_at >= 0:
+                        text = text[:stop_at]
+                        finish = "stop"
+                        break
                 if len(new_ids) >= max_new:
                     break
-                safe = len(text) - _stop_hold(text, config.stop)
-                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more
-                    safe = min(safe, len(text) - 1)
+                safe = len(text) - (_stop_hold(text, stops) if stops else 0)
                 if on_text is not None and safe > emitted:
                     on_text(text[emitted:safe], len(new_ids))
                     emitted = safe
@@ -274,7 +314,7 @@ class Engine:
                     raise Canceled
                 step[0, 0] = tok
                 logits = self.model(step, **kw).logits[0, -1]
-                tok = self._sample(logits, config, history, gen)
+                tok = int(torch.argmax(logits)) if greedy else self._sample(logits, config, history, gen)
         except Canceled:
             finish = "canceled"
         finally:
@@ -287,7 +327,7 @@ class Engine:
             text = text[:emitted]  # what the client has seen; held-back text stays unsaid
         if on_text is not None and len(text) > emitted and finish != "canceled":
             on_text(text[emitted:], len(new_ids))
-        return GenerationResult(text, finish, new_ids, metrics)
+        return GenerationResult(text, finish, list(new_ids), metrics)
 
     @torch.inference_mode()
     def score(self, prefix: list[int], continuation: list[int]) -> torch.Tensor:
@@ -298,14 +338,10 @@ class Engine:
             cache = DynamicCache(config=self.model.config)
             kw = {self._cache_kw: cache, "use_cache": True}
             ids = torch.tensor([prefix], device=self.device)
-            if self.state is not None:
-                bos = self.tokenizer.bos_token_id
-                self.state.token_weight = (ids[0] != bos).float() if bos is not None else None
-                self.state.prefill = True
+            self._start(ids)
             try:
                 first = self.model(ids, logits_to_keep=1, **kw).logits[0, -1:]
-                if self.state is not None:
-                    self.state.prefill = False
+                self._end_prefill()
                 if len(continuation) < 2:
                     return first.float()
                 rest = torch.tensor([continuation[:-1]], device=self.device)
@@ -360,15 +396,11 @@ class Engine:
         cache = DynamicCache(config=self.model.config)
         kw = {self._cache_kw: cache, "use_cache": True}
         input_ids = torch.tensor([ids], device=self.device)
-        if self.state is not None:
-            bos = self.tokenizer.bos_token_id
-            self.state.token_weight = (input_ids[0] != bos).float() if bos is not None else None
-            self.state.prefill = True
+        self._start(input_ids)
         try:
             first = self.model(input_ids, logits_to_keep=1, **kw).logits[0, -1].float()
             t_prefill = time.perf_counter() - t0
-            if self.state is not None:
-                self.state.prefill = False
+            self._end_prefill()
             first_lp = torch.log_softmax(first, dim=-1).cpu()
             totals = [float(first_lp[c[0]]) for c in conts]
             longest = max(len(c) for c in conts)

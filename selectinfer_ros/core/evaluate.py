@@ -259,7 +259,7 @@ def run_configs(args, model_path, manifest, tok, profiles, data_dir, configs, li
                 models[cfg.model_key] = SelectiveModel(
                     model_path, profiles, "qa", cfg.load_ratio, cfg.static_ratio, cfg.load_ratio,
                     args.alpha, dtype=args.dtype, selection=cfg.selection)
-                models[cfg.model_key]._tokenizer = tok
+                models[cfg.model_key].tokenizer = tok
             sm = models[cfg.model_key]
             sm.set_compute_ratio(cfg.compute_ratio)
             sm.state.method = cfg.dynamic

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .architectures import activation_name, architecture_for
+from .int8 import Int8Embedding, Int8Linear
 from .options import SELECTIONS
 from .pack import (FFN_FILE, OTHER_FILE, Manifest, check_ffn_file, checksum_error, neuron_key,
                    read_checksums, read_manifest, tensor_sum, word_sums)
@@ -24,7 +25,7 @@ from .profiles import (ProfileCatalog, Selection, neuron_count, select_published
 from .progress import progress
 from .safetensors_io import CountingReader, FormatError, read_header
 from .tokenizer import load_tokenizer
-from .selective_mlp import SelectionState, SelectiveMLP
+from .selective_mlp import SelectionState, SelectiveMLP, Slots
 
 BOUNCE_BYTES = 8 << 20  # bounce buffer for coalesced neuron reads
 
@@ -51,15 +52,37 @@ def build_skeleton(path: Path, dtype: torch.dtype):
     return model, config
 
 
+def _int8_modules(model: nn.Module, tensors: dict, dtype: torch.dtype) -> None:
+    """Swap the linear layers (and the token embedding) whose weights the packed file holds as
+    int8 for int8 modules; a tied output layer shares the embedding's int8 rows."""
+    for name, info in tensors.items():
+        if info.dtype != torch.int8:
+            continue
+        path = name.removesuffix(".weight")
+        parent_name, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        n, k = info.shape
+        if isinstance(old, nn.Embedding):
+            scale = getattr(old, "scalar_embed_scale", None)
+            emb = Int8Embedding(n, k, old.padding_idx, scale)
+            emb.dtype = dtype
+            setattr(parent, attr, emb)
+        else:
+            setattr(parent, attr, Int8Linear(n, k))
+
+
 def _load_other(model: nn.Module, config, path: Path, dtype: torch.dtype,
                 device: torch.device, reader: CountingReader, manifest: Manifest,
                 sums: dict[str, torch.Tensor]) -> None:
     """Read every non-FFN tensor into the skeleton (each checked against its checksum), tie
-    embeddings, rebuild computed buffers."""
+    embeddings, rebuild computed buffers. int8 tensors and their scales keep their dtype."""
     tensors, meta, _ = read_header(path / OTHER_FILE)
     if meta.get("fingerprint") != manifest.fingerprint:
         raise FormatError(f"{path / OTHER_FILE}: fingerprint {meta.get('fingerprint')!r} does not "
                           f"match manifest {manifest.fingerprint!r} (file from another model)")
+    if manifest.int8_other:
+        _int8_modules(model, tensors, dtype)
     state = {}
     expected = {k: v for k, v in model.state_dict().items()}
     for name, info in tensors.items():
@@ -71,11 +94,18 @@ def _load_other(model: nn.Module, config, path: Path, dtype: torch.dtype,
         t = reader.read_tensor(info)
         if name not in sums or not torch.equal(tensor_sum(t), sums[name]):
             raise checksum_error(path / OTHER_FILE, f"tensor {name}")
-        state[name] = t.to(device=device, dtype=dtype)
+        keep = info.dtype == torch.int8 or expected[name].dtype == torch.float32 and (
+            name.endswith(".scale") and info.dtype == torch.float32)
+        state[name] = t.to(device=device) if keep else t.to(device=device, dtype=dtype)
     missing = model.load_state_dict(state, strict=False, assign=True).missing_keys
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in tensors:
-        model.lm_head.weight = model.get_input_embeddings().weight
-        missing = [m for m in missing if m != "lm_head.weight"]
+        emb = model.get_input_embeddings()
+        if isinstance(emb, Int8Embedding):
+            model.lm_head = emb.as_linear()
+            missing = [m for m in missing if m not in ("lm_head.weight", "lm_head.scale")]
+        else:
+            model.lm_head.weight = emb.weight
+            missing = [m for m in missing if m != "lm_head.weight"]
     missing = [m for m in missing if ".mlp." not in m]
     if missing:
         raise FormatError(f"{path / OTHER_FILE}: missing tensors {missing[:5]}")
@@ -98,12 +128,12 @@ def _rebuild_computed_buffers(model: nn.Module, config, device: torch.device) ->
 
 
 def _read_neurons(reader: CountingReader, start: int, record_bytes: int, ids: torch.Tensor,
-                  sink: Callable[[torch.Tensor, torch.Tensor], None], src_dtype: torch.dtype,
-                  hidden: int, sums: torch.Tensor, what: str) -> int:
+                  sink: Callable[[torch.Tensor, torch.Tensor], None], sums: torch.Tensor,
+                  what: str) -> int:
     """Read the records ``ids`` (any order) in coalesced runs of consecutive ids, several runs
     per bounce-buffer fill; each fill is checked against the record checksums ``sums`` ``[I]``
     in one pass, then ``sink(positions, records)`` receives positions into ``ids`` and the
-    records ``[n, 3, H]``. Returns records read."""
+    records' bytes ``[n, record_bytes]``. Returns records read."""
     if ids.numel() == 0:
         return 0
     order = torch.argsort(ids)
@@ -128,7 +158,7 @@ def _read_neurons(reader: CountingReader, start: int, record_bytes: int, ids: to
         if bool(bad.any()):
             first = idx[i + int(torch.nonzero(bad)[0])]
             raise checksum_error(reader.path, f"{what}, neuron record {first}")
-        sink(order[i:end], buf.view(src_dtype).view(n, 3, hidden))
+        sink(order[i:end], buf.view(n, record_bytes))
         i = end
     return len(idx)
 
@@ -241,79 +271,66 @@ class SelectiveModel:
         return Selection(neurons, n_static)
 
     # -- loading ---------------------------------------------------------------------------
+    def _empty_slots(self, k: int) -> Slots:
+        return Slots.empty(k, self.manifest.hidden_size, self.dtype, self.manifest.int8_ffn,
+                           self.device)
+
     def _load_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor, n_static: int) -> int:
         """Fill layer ``layer`` with neurons ``ids`` (slot order) read from disk. Returns records read."""
-        H, k = self.manifest.hidden_size, ids.numel()
-        gu = torch.empty(k, 2, H, dtype=self.dtype, device=self.device)
-        down = torch.empty(H, k, dtype=self.dtype, device=self.device)
-        got = self._read_into(reader, layer, ids, torch.arange(k), gu, down)
+        slots = self._empty_slots(ids.numel())
+        got = self._read_into(reader, layer, ids, torch.arange(ids.numel()), slots)
         mlp = self.mlps[layer]
         mlp.dense = layer < self.dense_layers or layer >= self.manifest.num_layers - self.dense_layers
-        mlp.set_slots(gu, down, ids.to(self.device), n_static)
+        mlp.set_slots(slots, ids.to(self.device), n_static)
         return got
 
-    def _read_into(self, reader: CountingReader, layer: int, ids: torch.Tensor, slots: torch.Tensor,
-                   gu: torch.Tensor, down: torch.Tensor) -> int:
-        """Read neuron records ``ids`` into slots ``slots`` of ``gu`` ``[k, 2, H]`` / ``down`` ``[H, k]``."""
-        def sink(positions: torch.Tensor, rec: torch.Tensor) -> None:  # rec [n, 3, H]
-            dst = slots[positions].to(self.device)
-            rec = rec.to(device=self.device, dtype=self.dtype)
-            gu.index_copy_(0, dst, rec[:, :2])
-            down.index_copy_(1, dst, rec[:, 2].t())
+    def _read_into(self, reader: CountingReader, layer: int, ids: torch.Tensor, where: torch.Tensor,
+                   slots: Slots) -> int:
+        """Read neuron records ``ids`` into slots ``where`` of ``slots``. Returns records read."""
+        def sink(positions: torch.Tensor, raw: torch.Tensor) -> None:  # raw [n, record_bytes]
+            vals, scales = self.manifest.decode_records(raw)
+            slots.put(where[positions].to(self.device), vals.to(self.device),
+                      None if scales is None else scales.to(self.device))
 
         info = self.ffn_tensors[neuron_key(layer)]
         return _read_neurons(reader, info.start, self.manifest.record_bytes, ids, sink,
-                             self.manifest.dtype, self.manifest.hidden_size,
                              self.sums[neuron_key(layer)], f"layer {layer}")
 
     def _stage_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, Slots]:
         """Read the neurons of ``ids`` that are not resident in layer ``layer``: (their ids in
-        ``ids`` order, their records ``[n, 3, H]``). Changes nothing in the model."""
+        ``ids`` order, their records as slots ``0..n-1``). Changes nothing in the model."""
         mlp = self.mlps[layer]
         resident = torch.zeros(self.manifest.intermediate_size, dtype=torch.bool)
         resident[mlp.slot_ids.cpu()] = True
         incoming = ids[~resident[ids]]
-        rec = torch.empty(incoming.numel(), 3, self.manifest.hidden_size, dtype=self.dtype,
-                          device=self.device)
-
-        def sink(positions: torch.Tensor, r: torch.Tensor) -> None:  # r [n, 3, H]
-            rec.index_copy_(0, positions.to(self.device), r.to(device=self.device, dtype=self.dtype))
-
-        info = self.ffn_tensors[neuron_key(layer)]
-        _read_neurons(reader, info.start, self.manifest.record_bytes, incoming, sink,
-                      self.manifest.dtype, self.manifest.hidden_size,
-                      self.sums[neuron_key(layer)], f"layer {layer}")
-        return incoming, rec
+        staged = self._empty_slots(incoming.numel())
+        self._read_into(reader, layer, incoming, torch.arange(incoming.numel()), staged)
+        return incoming, staged
 
     def _apply_layer(self, layer: int, ids: torch.Tensor, n_static: int, incoming: torch.Tensor,
-                     rec: torch.Tensor) -> None:
+                     staged: Slots) -> None:
         """Make layer ``layer`` hold ``ids`` (base neurons ``ids[:n_static]`` in the static prefix)
-        from its resident neurons and the staged records ``rec`` of ``incoming``; no I/O."""
+        from its resident neurons and the staged records of ``incoming``; no I/O."""
         mlp = self.mlps[layer]
         inter = self.manifest.intermediate_size
         dev = self.device
+        every = torch.arange(incoming.numel(), device=dev)
         where = torch.full((inter,), -1, dtype=torch.long)
         where[mlp.slot_ids.cpu()] = torch.arange(mlp.n_loaded)
         if mlp.n_loaded != ids.numel():  # per-layer budgets differ between tasks: new buffers
             old = where[ids]
             hit = old >= 0
-            H, k = self.manifest.hidden_size, ids.numel()
-            gu = torch.empty(k, 2, H, dtype=self.dtype, device=dev)
-            down = torch.empty(H, k, dtype=self.dtype, device=dev)
-            pos, src = torch.nonzero(hit).flatten().to(dev), old[hit].to(dev)
-            gu.index_copy_(0, pos, mlp.gu.index_select(0, src))
-            down.index_copy_(1, pos, mlp.down.index_select(1, src))
+            slots = self._empty_slots(ids.numel())
+            slots.copy(torch.nonzero(hit).flatten().to(dev), mlp.slots, old[hit].to(dev))
             miss = torch.nonzero(~hit).flatten().to(dev)  # ids[~hit] == incoming, same order
-            gu.index_copy_(0, miss, rec[:, :2])
-            down.index_copy_(1, miss, rec[:, 2].t())
-            mlp.set_slots(gu, down, ids.to(dev), n_static)
+            slots.copy(miss, staged, every)
+            mlp.set_slots(slots, ids.to(dev), n_static)
             return
         wanted = torch.zeros(inter, dtype=torch.bool)
         wanted[ids] = True
         free = torch.nonzero(~wanted[mlp.slot_ids.cpu()]).flatten().to(dev)  # dropped neurons' slots
-        mlp.gu.index_copy_(0, free, rec[:, :2])
-        mlp.down.index_copy_(1, free, rec[:, 2].t())
+        mlp.slots.copy(free, staged, every)
         mlp.slot_ids.index_copy_(0, free, incoming.to(dev))
         where[mlp.slot_ids.cpu()] = torch.arange(mlp.n_loaded)
         mlp.n_static = n_static
@@ -365,17 +382,24 @@ class SelectiveModel:
     def weight_bytes(self) -> dict[str, int]:
         ffn = sum(m.weight_bytes() for m in self.mlps)
         seen, other = set(), 0
-        for p in list(self.model.parameters()):
-            if id(p) not in seen:
-                seen.add(id(p))
-                other += p.numel() * p.element_size()
+        int8 = [t for mod in self.model.modules() if isinstance(mod, (Int8Linear, Int8Embedding))
+                for t in mod.buffers()]
+        for t in list(self.model.parameters()) + int8:
+            if id(t) not in seen:
+                seen.add(id(t))
+                other += t.numel() * t.element_size()
         return {"ffn": ffn, "other": other, "total": ffn + other}
 
     @property
     def tokenizer(self):
+        """The packed folder's tokenizer (loaded on first use; a caller may set one it holds)."""
         if not hasattr(self, "_tokenizer"):
             self._tokenizer = load_tokenizer(self.path)
         return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tok) -> None:
+        self._tokenizer = tok
 
 
 def dense_layer_count(num_layers: int, dense_layers: int) -> int:
@@ -385,16 +409,23 @@ def dense_layer_count(num_layers: int, dense_layers: int) -> int:
 
 
 def other_bytes_estimate(m: Manifest, dtype: torch.dtype) -> int:
-    """Resident bytes of the non-FFN tensors of a packed model in ``dtype``."""
+    """Resident bytes of the non-FFN tensors of a packed model in ``dtype`` (int8 rows and their
+    scales as stored)."""
     tensors, _, _ = read_header(m.path / OTHER_FILE)
-    return sum(t.nbytes // t.dtype.itemsize * dtype.itemsize for t in tensors.values())
+    return sum(t.nbytes if t.dtype == torch.int8 or name.endswith(".scale") else
+               t.nbytes // t.dtype.itemsize * dtype.itemsize for name, t in tensors.items())
+
+
+def neuron_bytes(m: Manifest, dtype: torch.dtype) -> int:
+    """Resident bytes of one neuron of one layer (int8 rows and scales, or three rows in ``dtype``)."""
+    return m.record_bytes if m.int8_ffn else 3 * m.hidden_size * dtype.itemsize
 
 
 def load_ratio_for_budget(m: Manifest, dtype: torch.dtype, budget: int, dense_layers: int = 0) -> float:
     """The largest load_ratio whose resident weights fit ``budget`` bytes, counting the layers
     that ``dense_layers`` keeps whole (the ratio applies to the other layers)."""
     other = other_bytes_estimate(m, dtype)
-    neuron = 3 * m.hidden_size * dtype.itemsize  # one neuron of one layer
+    neuron = neuron_bytes(m, dtype)
     dense = dense_layer_count(m.num_layers, dense_layers)
     fixed = other + dense * m.intermediate_size * neuron
     sparse = m.num_layers - dense
@@ -442,8 +473,10 @@ def load_dense(packed_dir: str | Path, dtype: str | torch.dtype | None = None,
             if not torch.equal(word_sums(raw.view(torch.uint8).view(m.intermediate_size, -1)),
                                sums[neuron_key(layer)]):
                 raise checksum_error(path / FFN_FILE, f"layer {layer}")
-            rec = raw.to(device=dev, dtype=dt)  # [I, 3, H]
-            del raw
+            vals, scales = m.decode_records(raw.view(torch.uint8).view(m.intermediate_size, -1))
+            rec = (vals.float() * scales[..., None] if scales is not None else vals).to(
+                device=dev, dtype=dt)  # [I, 3, H]
+            del raw, vals
             block.mlp.gate_proj.weight = nn.Parameter(rec[:, 0].contiguous(), requires_grad=False)
             block.mlp.up_proj.weight = nn.Parameter(rec[:, 1].contiguous(), requires_grad=False)
             block.mlp.down_proj.weight = nn.Parameter(rec[:, 2].t().contiguous(), requires_grad=False)

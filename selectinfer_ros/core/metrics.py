@@ -55,6 +55,7 @@ class RequestMetrics:
     time_to_first_token: float = 0.0  # seconds from request start to the first new token
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # time of the decode steps (tokens after the first)
+    selection_seconds: float = 0.0  # of the prefill: choosing and swapping in dynamic neurons
 
     @property
     def tokens_per_second(self) -> float:

@@ -7,7 +7,12 @@ A packed model folder holds:
 - ``model.safetensors``: every non-FFN tensor under its Hugging Face name;
 - ``ffn.safetensors``: per layer ``layers.<l>.neurons`` of shape ``[I, 3, H]``; record ``n`` is
   (gate row n, up row n, down column n), so a neuron is ``3 * H * itemsize`` contiguous bytes and
-  loading a subset of neurons reads only those records;
+  loading a subset of neurons reads only those records. With int8 weights (``pack --weights
+  int8``) a record is ``uint8 [3 * H + 12]``: the three rows as int8, then their three float32
+  scales, so a neuron is still one contiguous read;
+- int8 weights also store the attention projections and the output layer / token embedding as
+  int8 ``<name>.weight`` with a float32 per-row ``<name>.scale`` (``--weights int8-ffn``: only the
+  neuron records are int8);
 - ``checksums.safetensors``: int64 word sums of every neuron record (``layers.<l>.neurons``
   ``[I]``) and of every non-FFN tensor (its name, ``[1]``). The loader checks the records and
   tensors it reads; ``selectinfer verify`` checks everything.
@@ -38,6 +43,7 @@ MANIFEST = "manifest.json"
 FFN_FILE = "ffn.safetensors"
 OTHER_FILE = "model.safetensors"
 CHECKSUM_FILE = "checksums.safetensors"
+WEIGHTS = ("float", "int8", "int8-ffn")  # what ``pack --weights`` may write
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja", "generation_config.json",
                    "vocab.json", "merges.txt")
@@ -60,11 +66,32 @@ class Manifest:
     source_sha256: str
     fingerprint: str
     path: Path
+    weights: str = "float"  # one of WEIGHTS; ``dtype`` is then the dtype of everything not int8
+
+    @property
+    def int8_ffn(self) -> bool:
+        return self.weights != "float"
+
+    @property
+    def int8_other(self) -> bool:
+        """Attention projections and output layer / embedding are int8 too."""
+        return self.weights == "int8"
 
     @property
     def record_bytes(self) -> int:
-        """Bytes of one neuron record (gate row + up row + down column)."""
+        """Bytes of one neuron record (gate row + up row + down column, and int8 scales)."""
+        if self.int8_ffn:
+            return 3 * self.hidden_size + 3 * 4
         return 3 * self.hidden_size * self.dtype.itemsize
+
+    def decode_records(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Neuron records from their bytes ``raw`` (uint8 ``[n, record_bytes]``): values
+        ``[n, 3, H]`` (int8, or the packed float dtype) and int8 scales ``[n, 3]`` (else None)."""
+        n, H = raw.shape[0], self.hidden_size
+        if not self.int8_ffn:
+            return raw.view(self.dtype).view(n, 3, H), None
+        vals = raw[:, :3 * H].view(torch.int8).view(n, 3, H)
+        return vals, raw[:, 3 * H:].contiguous().view(torch.float32).view(n, 3)
 
     @property
     def ffn_bytes(self) -> int:
@@ -165,7 +192,10 @@ def read_manifest(path: str | Path) -> Manifest:
                               f"{FORMAT_VERSION}; re-pack the model")
         m = Manifest(raw["model_id"], raw["model_type"], int(raw["num_layers"]),
                      int(raw["hidden_size"]), int(raw["intermediate_size"]),
-                     getattr(torch, raw["dtype"]), raw["source_sha256"], raw["fingerprint"], path)
+                     getattr(torch, raw["dtype"]), raw["source_sha256"], raw["fingerprint"], path,
+                     raw.get("weights", "float"))
+        if m.weights not in WEIGHTS:
+            raise FormatError(f"{mf}: weights {m.weights!r}, expected one of {', '.join(WEIGHTS)}")
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise FormatError(f"{mf}: corrupt manifest ({e})") from e
     if m.fingerprint != fingerprint(m.model_type, m.num_layers, m.hidden_size,
@@ -181,14 +211,15 @@ def check_ffn_file(m: Manifest) -> dict:
     if meta.get("fingerprint") != m.fingerprint:
         raise FormatError(f"{path}: fingerprint {meta.get('fingerprint')!r} does not match "
                           f"manifest {m.fingerprint!r} (file from another model)")
-    want = (m.intermediate_size, 3, m.hidden_size)
+    want, want_dtype = ((m.intermediate_size, m.record_bytes), torch.uint8) if m.int8_ffn else (
+        (m.intermediate_size, 3, m.hidden_size), m.dtype)
     for layer in range(m.num_layers):
         info = tensors.get(neuron_key(layer))
         if info is None:
             raise FormatError(f"{path}: missing tensor {neuron_key(layer)}")
-        if info.shape != want or info.dtype != m.dtype:
+        if info.shape != want or info.dtype != want_dtype:
             raise FormatError(f"{path}: {neuron_key(layer)} is {info.dtype} {info.shape}, manifest "
-                              f"says {m.dtype} {want}")
+                              f"says {want_dtype} {want}")
     return tensors
 
 
@@ -201,9 +232,31 @@ def source_checksum(files: list[Path]) -> str:
     return h.hexdigest()
 
 
+def is_int8_other(name: str, shape: tuple[int, ...]) -> bool:
+    """A non-FFN tensor that ``--weights int8`` stores as int8 rows: attention projections, the
+    token embedding and a separate output layer (norms and biases stay float)."""
+    return len(shape) == 2 and (name.endswith("_proj.weight") or name.endswith(
+        "embed_tokens.weight") or name == "lm_head.weight")
+
+
+def int8_records(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Neuron records with int8 rows: uint8 ``[I, 3 * H + 12]`` from gate, up ``[I, H]`` and down
+    ``[H, I]`` (each row of each neuron quantized with its own scale)."""
+    from .int8 import quantize_rows
+    rows = torch.stack([gate, up, down.t()], dim=1)  # [I, 3, H]
+    q, scale = quantize_rows(rows)  # [I, 3, H] int8, [I, 3] float32
+    I = rows.shape[0]
+    return torch.cat([q.view(torch.uint8).view(I, -1), scale.contiguous().view(torch.uint8).view(I, -1)],
+                     dim=1)
+
+
 def pack(src: str | Path, out: str | Path, model_id: str | None = None,
-         dtype: torch.dtype | None = None, log: Callable[[str], None] = print) -> Manifest:
-    """Convert a Hugging Face checkpoint folder into a packed folder (layer by layer)."""
+         dtype: torch.dtype | None = None, weights: str = "float",
+         log: Callable[[str], None] = print) -> Manifest:
+    """Convert a Hugging Face checkpoint folder into a packed folder (layer by layer);
+    ``weights`` int8 / int8-ffn stores int8 rows with per-row scales (see the module doc)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     from transformers import AutoConfig
 
     src, out = Path(src), Path(out)
@@ -229,7 +282,9 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
     sums: dict[str, torch.Tensor] = {}
 
     meta = {"fingerprint": fp, "format": FORMAT, "version": str(FORMAT_VERSION)}
-    ffn = StreamWriter(tmp / FFN_FILE, {neuron_key(l): (dtype, (I, 3, H)) for l in range(L)}, meta)
+    int8_ffn = weights != "float"
+    rec_spec = (torch.uint8, (I, 3 * H + 12)) if int8_ffn else (dtype, (I, 3, H))
+    ffn = StreamWriter(tmp / FFN_FILE, {neuron_key(l): rec_spec for l in range(L)}, meta)
     for layer in progress(range(L), desc="pack FFN layers", total=L):
         gate = where[arch.ffn_key(layer, "gate")].get_tensor(arch.ffn_key(layer, "gate"))  # [I, H]
         up = where[arch.ffn_key(layer, "up")].get_tensor(arch.ffn_key(layer, "up"))  # [I, H]
@@ -237,7 +292,10 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
         if gate.shape != (I, H) or up.shape != (I, H) or down.shape != (H, I):
             raise FormatError(f"{src}: layer {layer} FFN shapes {tuple(gate.shape)}, "
                               f"{tuple(up.shape)}, {tuple(down.shape)} do not match the config")
-        rec = torch.stack([gate, up, down.t()], dim=1).to(dtype).contiguous()  # [I, 3, H]
+        if int8_ffn:
+            rec = int8_records(gate, up, down)
+        else:
+            rec = torch.stack([gate, up, down.t()], dim=1).to(dtype).contiguous()  # [I, 3, H]
         sums[neuron_key(layer)] = word_sums(rec.view(torch.uint8).view(I, -1))
         ffn.write(neuron_key(layer), rec)
     ffn.close()
@@ -245,13 +303,24 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
     others = sorted(k for k in where if not arch.is_ffn_key(k))
     specs = {}
     for k in others:
-        sl = where[k].get_slice(k)
-        specs[k] = (dtype, tuple(sl.get_shape()))
+        shape = tuple(where[k].get_slice(k).get_shape())
+        if weights == "int8" and is_int8_other(k, shape):
+            specs[k] = (torch.int8, shape)
+            specs[k.removesuffix(".weight") + ".scale"] = (torch.float32, shape[:1])
+        else:
+            specs[k] = (dtype, shape)
     w = StreamWriter(tmp / OTHER_FILE, specs, meta)
     for k in progress(others, desc="pack other tensors", total=len(others)):
-        t = where[k].get_tensor(k).to(dtype)
-        sums[k] = tensor_sum(t)
-        w.write(k, t)
+        t = where[k].get_tensor(k)
+        if specs[k][0] == torch.int8:
+            from .int8 import quantize_rows
+            q, scale = quantize_rows(t)
+            parts = {k: q, k.removesuffix(".weight") + ".scale": scale}
+        else:
+            parts = {k: t.to(dtype)}
+        for name, part in parts.items():
+            sums[name] = tensor_sum(part)
+            w.write(name, part)
     w.close()
     cw = StreamWriter(tmp / CHECKSUM_FILE, {k: (torch.int64, tuple(v.shape)) for k, v in sums.items()},
                       meta)
@@ -265,7 +334,7 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
             shutil.copy(src / name, tmp / name)
     manifest = {"format": FORMAT, "version": FORMAT_VERSION, "model_id": model_id,
                 "model_type": config.model_type, "num_layers": L, "hidden_size": H,
-                "intermediate_size": I, "dtype": str(dtype).removeprefix("torch."),
+                "intermediate_size": I, "dtype": str(dtype).removeprefix("torch."), "weights": weights,
                 "source_sha256": sha, "fingerprint": fp, "source": str(src.resolve())}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     publish_dir(tmp, out)

@@ -296,7 +296,7 @@ def measure_quality_curve(packed_dir: str | Path, profiles_dir: str | Path, task
         delta = min(0.3, gamma * min(s for _, s in todo))
         sm = SelectiveModel(packed_dir, profiles_dir, task, gamma, delta, gamma, alpha, device, dtype,
                             selection=selection)
-        sm._tokenizer = tok
+        sm.tokenizer = tok
         resolved = sm.selection_strategy
         engine = Engine.from_selective(sm)
         for j, s in todo:

@@ -4,13 +4,68 @@ Slots hold loaded neurons; ``slot_ids[s]`` is the original neuron id in slot s. 
 ``n_static`` slots hold the static (task base) neurons. A request computes the first
 ``n_active`` slots when decoding; at prefill it computes every loaded slot and, when
 ``n_active < n_loaded``, chooses the dynamic neurons and swaps them into slots
-``[n_static, n_active)`` (only the rows that move are copied; nothing is reallocated).
+``[n_static, n_active)`` (only the rows that move are copied; nothing is reallocated). The
+active neurons thus always sit in one contiguous prefix: gate/up rows ``gu[:n_active]`` and the
+first ``n_active`` entries of every down row, so a decode step reads exactly the active bytes.
+
+Slots hold float rows, or int8 rows with a float32 scale each (``int8`` packed models).
 """
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
+
+from . import int8
+
+
+@dataclass
+class Slots:
+    """Storage of ``k`` neuron slots: ``gu`` ``[k, 2, H]``, ``down`` ``[H, k]`` (float, or int8 with
+    ``gu_scale`` ``[k, 2]`` and ``down_scale`` ``[k]`` float32)."""
+
+    gu: torch.Tensor
+    down: torch.Tensor
+    gu_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, k: int, hidden: int, dtype: torch.dtype, quantized: bool,
+              device: torch.device | str) -> "Slots":
+        if not quantized:
+            return cls(torch.empty(k, 2, hidden, dtype=dtype, device=device),
+                       torch.empty(hidden, k, dtype=dtype, device=device))
+        return cls(torch.empty(k, 2, hidden, dtype=torch.int8, device=device),
+                   torch.empty(hidden, k, dtype=torch.int8, device=device),
+                   torch.empty(k, 2, dtype=torch.float32, device=device),
+                   torch.empty(k, dtype=torch.float32, device=device))
+
+    @property
+    def quantized(self) -> bool:
+        return self.gu_scale is not None
+
+    def put(self, dst: torch.Tensor, vals: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Write neuron records (``vals`` ``[n, 3, H]``, ``scales`` ``[n, 3]``) into slots ``dst``."""
+        self.gu.index_copy_(0, dst, vals[:, :2].to(self.gu.dtype))
+        self.down.index_copy_(1, dst, vals[:, 2].t().to(self.down.dtype))
+        if self.quantized:
+            self.gu_scale.index_copy_(0, dst, scales[:, :2])
+            self.down_scale.index_copy_(0, dst, scales[:, 2])
+
+    def copy(self, dst: torch.Tensor, other: "Slots", src: torch.Tensor) -> None:
+        """Slots ``dst`` of this storage take the contents of ``other``'s slots ``src``."""
+        self.gu.index_copy_(0, dst, other.gu.index_select(0, src))
+        self.down.index_copy_(1, dst, other.down.index_select(1, src))
+        if self.quantized:
+            self.gu_scale.index_copy_(0, dst, other.gu_scale.index_select(0, src))
+            self.down_scale.index_copy_(0, dst, other.down_scale.index_select(0, src))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in
+                   (self.gu, self.down, self.gu_scale, self.down_scale) if t is not None)
 
 
 class SelectionState:
@@ -21,6 +76,11 @@ class SelectionState:
         self.alpha = 0.2
         self.method = "frequency"  # or "norm" (GRIFFIN-style prompt-wide activation norms)
         self.token_weight: torch.Tensor | None = None  # [T] 1.0 for tokens that vote, 0.0 (BOS) not
+        self.select_seconds = 0.0  # time spent choosing dynamic neurons since the last reset
+
+    def start_prefill(self, token_weight: torch.Tensor | None) -> None:
+        """A new request: the next forward is its prefill (selection runs there)."""
+        self.prefill, self.token_weight, self.select_seconds = True, token_weight, 0.0
 
 
 class SelectiveMLP(nn.Module):
@@ -34,20 +94,28 @@ class SelectiveMLP(nn.Module):
         self.dense = False  # a dense layer computes every loaded slot, also in decode
         self.n_static = 0
         self.n_active = 0
-        self.register_buffer("gu", torch.empty(0, 2, hidden, dtype=dtype, device=device))  # [k, 2, H]
         # down_proj columns of the loaded neurons, [H, k]: F.linear reads it as dot products, which
         # on CPU ran as fast as a row layout in float32 and 7x faster in bfloat16 (h @ [k, H]).
-        self.register_buffer("down", torch.empty(hidden, 0, dtype=dtype, device=device))  # [H, k]
+        empty = Slots.empty(0, hidden, dtype, False, device)
+        self.register_buffer("gu", empty.gu)  # [k, 2, H]
+        self.register_buffer("down", empty.down)  # [H, k]
+        self.register_buffer("gu_scale", None)  # [k, 2] float32, int8 slots only
+        self.register_buffer("down_scale", None)  # [k] float32, int8 slots only
         self.register_buffer("slot_ids", torch.empty(0, dtype=torch.long, device=device))  # [k]
+
+    @property
+    def slots(self) -> Slots:
+        return Slots(self.gu, self.down, self.gu_scale, self.down_scale)
 
     @property
     def n_loaded(self) -> int:
         return self.slot_ids.numel()
 
-    def set_slots(self, gu: torch.Tensor, down: torch.Tensor, slot_ids: torch.Tensor,
-                  n_static: int) -> None:
-        """Install loaded neurons (``gu`` ``[k, 2, H]``, ``down`` ``[H, k]``, ids ``[k]``)."""
-        self.gu, self.down, self.slot_ids = gu, down, slot_ids
+    def set_slots(self, slots: Slots, slot_ids: torch.Tensor, n_static: int) -> None:
+        """Install loaded neurons (``slots`` of ``k`` neurons, their ids ``[k]``)."""
+        self.gu, self.down = slots.gu, slots.down
+        self.gu_scale, self.down_scale = slots.gu_scale, slots.down_scale
+        self.slot_ids = slot_ids
         self.n_static = n_static
         self.n_active = slot_ids.numel()
 
@@ -57,12 +125,21 @@ class SelectiveMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, H]
         k = self.n_loaded if self.state.prefill else self.n_active
-        out = nn.functional.linear(x, self.gu[:k].view(2 * k, self.hidden))  # [B, T, 2k]
+        gu = self.gu[:k].view(2 * k, self.hidden)
+        if self.gu_scale is not None:  # int8 slots
+            out = int8.linear(x, gu, self.gu_scale[:k].view(2 * k))  # [B, T, 2k]
+        else:
+            out = nn.functional.linear(x, gu)  # [B, T, 2k]
         out = out.view(*x.shape[:-1], k, 2)
         h = self.act_fn(out[..., 0]) * out[..., 1]  # [B, T, k]
-        y = nn.functional.linear(h, self.down[:, :k])  # [B, T, H]
+        if self.down_scale is not None:  # the down column scales fold into the activations
+            y = int8.linear(h * self.down_scale[:k].to(h.dtype), self.down[:, :k], None)  # [B, T, H]
+        else:
+            y = nn.functional.linear(h, self.down[:, :k])  # [B, T, H]
         if self.state.prefill and self.n_active < self.n_loaded:
+            t0 = time.perf_counter()
             self._select(h)
+            self.state.select_seconds += time.perf_counter() - t0
         return y
 
     def _select(self, h: torch.Tensor) -> None:
@@ -108,9 +185,8 @@ class SelectiveMLP(nn.Module):
         if pairs == 0:
             return
         dst, src = torch.cat([a, b]), torch.cat([b, a])
-        self.gu.index_copy_(0, dst, self.gu.index_select(0, src))
-        self.down.index_copy_(1, dst, self.down.index_select(1, src))
+        self.slots.copy(dst, self.slots, src)
         self.slot_ids.index_copy_(0, dst, self.slot_ids.index_select(0, src))
 
     def weight_bytes(self) -> int:
-        return self.gu.numel() * self.gu.element_size() + self.down.numel() * self.down.element_size()
+        return self.slots.nbytes()

@@ -18,7 +18,7 @@ def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 def test_bench_quick_writes_json_and_plot(tiny_models, tiny_profiles, tmp_path):
     _, packed = tiny_models["tiny-llama"]
     out = _cli("bench", "--quick", "--model", str(packed), "--profiles", str(tiny_profiles["tiny-llama"]),
-               "--task", "alpha", "--threads", "1", "--out", str(tmp_path))
+               "--task", "alpha", "--threads", "1", "--weights", "float", "int8", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench_speed_vs_memory.png").stat().st_size > 10_000
     assert "decode tok/s" in out.stdout
@@ -39,6 +39,11 @@ def test_bench_quick_writes_json_and_plot(tiny_models, tiny_profiles, tmp_path):
     assert sel["selectinfer 0.7/0.7"]["bytes_read"] < sel["selectinfer 1/1"]["bytes_read"]
     assert sel["selectinfer 0.7/0.5"]["bytes_per_decode_token"] < sel["selectinfer 0.7/0.7"]["bytes_per_decode_token"]
     assert "selection_seconds" in sel["selectinfer 0.7/0.5"]
+    # int8 neuron records: the same grid, a quarter of the float32 FFN bytes read
+    q = sel["selectinfer int8 0.7/0.5"]
+    assert q["weights"] == "int8" and sel["selectinfer 0.7/0.5"]["weights"] == "float"
+    assert q["bytes_read"] < 0.5 * sel["selectinfer 0.7/0.5"]["bytes_read"]
+    assert q["bytes_per_decode_token"] < 0.5 * sel["selectinfer 0.7/0.5"]["bytes_per_decode_token"]
 
 
 def test_eval_quick_on_embedded_model(embedded, embedded_profiles, tmp_path):

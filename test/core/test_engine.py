@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from selectinfer_ros.core.engine import ContextLengthError, Engine, GenerationConfig
 from selectinfer_ros.core.loader import SelectiveModel
@@ -119,3 +120,22 @@ def test_bos_does_not_vote(engine):
     finally:
         del engine.selective.mlps[0]._select
     assert seen["w"].tolist() == [0.0] + [1.0] * 6
+
+
+def test_detokenizer_text_equals_decoding_the_whole_sequence(embedded):
+    """Token by token, over text with multi-byte characters split across tokens: the running
+    text always equals the whole sequence decoded (once no character is incomplete)."""
+    from selectinfer_ros.core.engine import Detokenizer
+    from selectinfer_ros.core.tokenizer import load_tokenizer
+    tok = load_tokenizer(embedded)
+    text = "Robot 🤖 goes to the kitchen — 厨房, then déjà vu:\n  - dock ✓ «fin»"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, tok.vocab_size, (60,), generator=g).tolist()
+    for seq in (ids, noise):
+        d = Detokenizer(tok)
+        pieces = [d.add(t) for t in seq]
+        whole = tok.decode(seq, skip_special_tokens=True)
+        assert "".join(pieces) == d.text
+        assert d.text == whole or (seq is noise and whole.endswith("\ufffd")
+                                   and whole.startswith(d.text))
