@@ -23,6 +23,9 @@
 #endif
 
 #define QK 32
+#ifndef PF
+#define PF 1024 /* bytes ahead of each weight row's read: the rows are short streams */
+#endif
 
 /* x [K] -> xq [nb * QK] int8 (zero padded), xd [nb] block scales; nb = ceil(K / QK). */
 static void quantize_row(const float *x, int64_t K, int8_t *xq, float *xd) {
@@ -61,6 +64,7 @@ static inline float hsum(__m256 v) {
             __m256i ax = _mm256_sign_epi8(xv, xv);                                            \
             __m256 d = _mm256_broadcast_ss(xd + b);                                           \
             for (int r = 0; r < R; r++) {                                                     \
+                _mm_prefetch((const char *)(w + r * ldw + b * QK + PF), _MM_HINT_T0);        \
                 __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * ldw + b * QK));     \
                 __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, xv)), \
                                               ones);                                          \
