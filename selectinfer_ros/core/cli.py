@@ -124,7 +124,7 @@ def cmd_profile_show(argv: list[str]) -> int:
         print(format_curve(task, curve) if curve is not None else
               f"task {task}: no quality curve (re-run `selectinfer profile` to measure it)")
     if args.plot and any(c is not None for c in curves.values()):
-        from .plots import quality_curve_plot
+        from ..lab.plots import quality_curve_plot
         quality_curve_plot({t: c for t, c in curves.items() if c is not None}, args.plot)
         print(f"wrote {args.plot}")
     return 0
@@ -239,7 +239,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_make_random(args: argparse.Namespace) -> int:
     import torch
     from .pack import pack
-    from .random_model import make_random_model
+    from ..lab.random_model import make_random_model
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     hf = make_random_model(args.preset, Path(args.out) / "hf", dtype=dtype, seed=args.seed)
     pack(hf, Path(args.out) / "packed", model_id=f"random-{args.preset}", log=_log)
@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_random)
 
-    from . import bench, choice_eval, evaluate
+    from ..lab import bench, choice_eval, evaluate
     bench.register(sub)
     evaluate.register(sub)
     choice_eval.register(sub)

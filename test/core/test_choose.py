@@ -133,7 +133,7 @@ def test_cli_choices_prints_the_choice_and_json(tiny_models, tiny_profiles):
 
 
 def test_free_text_parser_and_eval_rows(tiny_models, tmp_path):
-    from selectinfer_ros.core.choice_eval import DATA, parse_option, read_items, run_config, summarize
+    from selectinfer_ros.lab.choice_eval import DATA, parse_option, read_items, run_config, summarize
     opts = ["goto(library)", "pick(pen)", "dock()"]
     assert parse_option(" goto(library)\nInstruction:", opts) == "goto(library)"
     assert parse_option(" I would dock() now, then pick(pen).", opts) == "dock()"

@@ -133,7 +133,7 @@ def tiny_llm(tmp_path_factory):
     from selectinfer_ros.core.pack import pack, read_manifest
     from selectinfer_ros.core.profiler import activation_scores
     from selectinfer_ros.core.profiles import Profile
-    from selectinfer_ros.core.random_model import make_random_model
+    from selectinfer_ros.lab.random_model import make_random_model
     from selectinfer_ros.core.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp('tiny-llm')

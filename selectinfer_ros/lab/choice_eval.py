@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from .engine import GenerationConfig
+from ..core.engine import GenerationConfig
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "eval" / "choices.jsonl"
 ROOM_PROMPT = ("Where should the robot go next?\nScene: The battery is at 8 percent.\nRoom: dock\n"
@@ -92,9 +92,9 @@ def summarize(items: list[dict], rows: list[dict], dense_rows: list[dict] | None
 def cmd_eval_choices(args: argparse.Namespace) -> int:
     import torch
 
-    from .cli import _log, _model_path
-    from .options import ModelOptions
-    from .runtime import Runtime
+    from ..core.cli import _log, _model_path
+    from ..core.options import ModelOptions
+    from ..core.runtime import Runtime
     torch.set_num_threads(args.threads)
     items = read_items(args.data, args.limit)
     model = _model_path(args.model)
@@ -160,5 +160,5 @@ def register(sub) -> None:
 
 
 if __name__ == "__main__":
-    from .cli import main
+    from ..core.cli import main
     sys.exit(main(["eval-choices", *sys.argv[1:]]))

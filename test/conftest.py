@@ -14,7 +14,7 @@ os.environ.setdefault("SELECTINFER_QUIET", "1")
 def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """Per family: (HF checkpoint dir, packed dir) of a small random-weight model."""
     from selectinfer_ros.core.pack import pack
-    from selectinfer_ros.core.random_model import make_random_model
+    from selectinfer_ros.lab.random_model import make_random_model
     root = tmp_path_factory.mktemp("tiny")
     out = {}
     for preset in ("tiny-llama", "tiny-qwen2", "tiny-gemma3"):
