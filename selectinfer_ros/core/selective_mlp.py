@@ -22,6 +22,25 @@ from transformers.activations import ACT2FN
 from . import int8
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_index(dst: torch.Tensor, dim: int, idx: torch.Tensor, src: torch.Tensor,
+               src_idx: torch.Tensor) -> None:
+    """``dst[idx] = src[src_idx]`` along ``dim`` (0 or 1; ``src`` may be ``dst``). On the CPU
+    through numpy, whose gathers ran 1.4x (float32 columns) to 5x (int8) faster than torch's
+    ``index_copy_`` here (a prefill's selection moves hundreds of neurons per layer)."""
+    if dst.device.type != "cpu":
+        dst.index_copy_(dim, idx, src.index_select(dim, src_idx))
+        return
+    as_int = _SAME_SIZE_INT[dst.element_size()]  # numpy has no bfloat16: move the bits
+    d, s = dst.view(as_int).numpy(), src.view(as_int).numpy()
+    if dim == 0:
+        d[idx.numpy()] = s[src_idx.numpy()]  # the right side is gathered first
+    else:
+        d[:, idx.numpy()] = s[:, src_idx.numpy()]
+
+
 @dataclass
 class Slots:
     """Storage of ``k`` neuron slots: ``gu`` ``[k, 2, H]``, ``down`` ``[H, k]`` (float, or int8 with
@@ -49,19 +68,20 @@ class Slots:
 
     def put(self, dst: torch.Tensor, vals: torch.Tensor, scales: torch.Tensor | None) -> None:
         """Write neuron records (``vals`` ``[n, 3, H]``, ``scales`` ``[n, 3]``) into slots ``dst``."""
-        self.gu.index_copy_(0, dst, vals[:, :2].to(self.gu.dtype))
-        self.down.index_copy_(1, dst, vals[:, 2].t().to(self.down.dtype))
+        every = torch.arange(vals.shape[0], device=vals.device)
+        copy_index(self.gu, 0, dst, vals[:, :2].to(self.gu.dtype).contiguous(), every)
+        copy_index(self.down, 1, dst, vals[:, 2].t().to(self.down.dtype).contiguous(), every)
         if self.quantized:
-            self.gu_scale.index_copy_(0, dst, scales[:, :2])
-            self.down_scale.index_copy_(0, dst, scales[:, 2])
+            copy_index(self.gu_scale, 0, dst, scales[:, :2].contiguous(), every)
+            copy_index(self.down_scale, 0, dst, scales[:, 2].contiguous(), every)
 
     def copy(self, dst: torch.Tensor, other: "Slots", src: torch.Tensor) -> None:
         """Slots ``dst`` of this storage take the contents of ``other``'s slots ``src``."""
-        self.gu.index_copy_(0, dst, other.gu.index_select(0, src))
-        self.down.index_copy_(1, dst, other.down.index_select(1, src))
+        copy_index(self.gu, 0, dst, other.gu, src)
+        copy_index(self.down, 1, dst, other.down, src)
         if self.quantized:
-            self.gu_scale.index_copy_(0, dst, other.gu_scale.index_select(0, src))
-            self.down_scale.index_copy_(0, dst, other.down_scale.index_select(0, src))
+            copy_index(self.gu_scale, 0, dst, other.gu_scale, src)
+            copy_index(self.down_scale, 0, dst, other.down_scale, src)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in
@@ -186,7 +206,7 @@ class SelectiveMLP(nn.Module):
             return
         dst, src = torch.cat([a, b]), torch.cat([b, a])
         self.slots.copy(dst, self.slots, src)
-        self.slot_ids.index_copy_(0, dst, self.slot_ids.index_select(0, src))
+        copy_index(self.slot_ids, 0, dst, self.slot_ids, src)
 
     def weight_bytes(self) -> int:
         return self.slots.nbytes()
