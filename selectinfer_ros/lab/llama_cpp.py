@@ -230,7 +230,7 @@ class LlamaCppSubject:
                 "bytes_per_decode_token": self.bytes_per_token,
                 "bandwidth_ceiling_tokens_per_second": ceiling,
                 "fraction_of_ceiling": decode / ceiling, "repeats": len(self.decode),
-                "gguf": str(self.gguf)}
+                "gguf": self.gguf.name}
 
 
 def subjects(d: Path, model_id: str, log: Log) -> list[LlamaCppSubject]:
