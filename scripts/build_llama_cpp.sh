@@ -131,6 +131,7 @@ fi
 say "compiled in $((SECONDS - T1)) s; installing into $DEST"
 
 STAGE="$(mktemp -d "$BASE/.$VERSION.XXXXXX")"
+chmod 755 "$STAGE"
 mkdir -p "$STAGE/bin" "$STAGE/python"
 cp "$WORK/build/bin/llama-bench" "$WORK/build/bin/llama-quantize" "$STAGE/bin/"
 cp -r "$SRC/convert_hf_to_gguf.py" "$SRC/conversion" "$SRC/gguf-py" "$STAGE/python/"
