@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -157,18 +156,3 @@ def test_build_flags_never_force_what_the_cpu_lacks(tmp_path):
     f = _flags(tmp_path, "fpu avx avx2 fma f16c amx_tile")
     assert "-DGGML_NATIVE=OFF" in f and "-DGGML_AVX2=ON" in f
     assert not [x for x in f if x.startswith("-DGGML_AVX512") and x.endswith("=ON")]
-
-
-_BUILD = llama_cpp.build_dir()
-
-
-@pytest.mark.skipif(not (_BUILD / "python" / "convert_hf_to_gguf.py").exists()
-                    or not shutil.which("bash"), reason="needs bash scripts/build_llama_cpp.sh")
-def test_random_checkpoint_converts_and_llama_bench_runs_it(tiny_models, tmp_path, monkeypatch):
-    monkeypatch.setenv("SELECTINFER_CACHE", str(tmp_path / "cache"))
-    hf = tmp_path / "hf"
-    shutil.copytree(tiny_models["tiny-llama"][0], hf)
-    gguf = llama_cpp.convert_random(_BUILD, hf, "random-tiny", log=lambda s: None)
-    assert gguf == tmp_path / "cache" / "random-tiny" / "gguf" / "random-tiny-f16.gguf"
-    decode, prefill = llama_cpp.bench_once(_BUILD, gguf, 1, 8, 4)
-    assert decode > 0 and prefill > 0
