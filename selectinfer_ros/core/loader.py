@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .architectures import activation_name, architecture_for
-from .int8 import Int8Embedding, Int8Linear
+from .int8 import Int8Embedding, Int8Linear, kernel_status
 from .options import SELECTIONS
 from .pack import (FFN_FILE, OTHER_FILE, Manifest, check_ffn_file, checksum_error, neuron_key,
                    read_checksums, read_manifest, tensor_sum, word_sums)
@@ -233,6 +233,10 @@ class SelectiveModel:
             self.bytes_read += r.bytes_read
         self.model.eval()
         self.set_compute_ratio(compute_ratio)
+        if self.manifest.int8_ffn:  # compiles the kernel now (once per machine), not at a goal
+            how = (kernel_status() if self.device.type == "cpu"
+                   else f"rows dequantized for float products on {self.device}")
+            log(f"[load] int8 weights: {how}")
         self.load_seconds = time.perf_counter() - t0
         log(f"[load] {self.manifest.model_id} task={self.task or '-'} gamma={load_ratio} "
             f"phi={compute_ratio}: {self.bytes_read / 2**20:.1f} MiB read in {self.load_seconds:.2f} s")

@@ -73,7 +73,9 @@ def test_int8_model_reads_only_its_records_and_follows_the_float_model(int8_pack
     path, float_packed = int8_packed
     profiles = tiny_profiles["tiny-llama"]
     m = read_manifest(path)
-    sm = SelectiveModel(path, profiles, "alpha", load_ratio=gamma)
+    lines: list[str] = []
+    sm = SelectiveModel(path, profiles, "alpha", load_ratio=gamma, log=lines.append)
+    assert any(line.startswith("[load] int8 weights: int8 kernel") for line in lines), lines
     ref = SelectiveModel(float_packed, profiles, "alpha", load_ratio=gamma)
     tensors, _, _ = read_header(path / OTHER_FILE)
     n = round(gamma * m.intermediate_size)
