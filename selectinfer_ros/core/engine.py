@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
+from .decode import Decoder, unsupported
 from .metrics import RequestMetrics
 from .selective_mlp import SelectionState
 
@@ -182,7 +183,7 @@ class Engine:
     """Streams completions from a causal LM, one request at a time."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, selective=None,
-                 context_limit: int | None = None):
+                 context_limit: int | None = None, lean: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.selective = selective
@@ -203,6 +204,11 @@ class Engine:
         params = inspect.signature(model.forward).parameters
         # transformers renamed past_key_values to cache (5.x); robots may run either.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        reason = unsupported(model) if lean else "lean decoder turned off"
+        # generation runs on the lean decoder where it can, else on the transformers forward
+        self.decoder: Decoder | None = Decoder(model) if reason is None else None
+        self.decode_path = (f"lean decoder, {self.decoder.path}" if reason is None
+                            else f"transformers forward ({reason})")
 
     @classmethod
     def from_selective(cls, sm, context_limit: int | None = None) -> "Engine":
@@ -263,9 +269,25 @@ class Engine:
             if metrics is not None:
                 metrics.selection_seconds = self.state.select_seconds
 
+    def _forward_fns(self, input_ids: torch.Tensor, max_new: int):
+        """``(prefill() -> logits [V], decode_one_token(token) -> logits [V])`` of one request."""
+        if self.decoder is not None:
+            d = self.decoder
+            return (lambda: d.prefill(input_ids, extra=max_new)), d.decode_one_token
+        kw = {self._cache_kw: DynamicCache(config=self.model.config), "use_cache": True}
+        step = torch.empty(1, 1, dtype=torch.long, device=self.device)
+
+        def prefill() -> torch.Tensor:
+            return self.model(input_ids, logits_to_keep=1, **kw).logits[0, -1]
+
+        def decode_one_token(token: int) -> torch.Tensor:
+            step[0, 0] = token
+            return self.model(step, **kw).logits[0, -1]
+        return prefill, decode_one_token
+
     def _run(self, ids, config, max_new, metrics, gen, on_text, cancel, t0) -> GenerationResult:
         input_ids = torch.tensor([ids], device=self.device)  # [1, T]
-        cache = DynamicCache(config=self.model.config)
+        prefill, decode_one_token = self._forward_fns(input_ids, max_new)
         self._start(input_ids)
         greedy = config.temperature == 0 and config.repetition_penalty == 1.0
         history = None
@@ -281,13 +303,11 @@ class Engine:
         try:
             if cancel is not None and cancel():
                 raise Canceled
-            kw = {self._cache_kw: cache, "use_cache": True}
-            logits = self.model(input_ids, logits_to_keep=1, **kw).logits[0, -1]
+            logits = prefill()
             tok = int(torch.argmax(logits)) if greedy else self._sample(logits, config, history, gen)
             t_first = time.perf_counter()
             metrics.prefill_seconds = metrics.time_to_first_token = t_first - t0
             self._end_prefill(metrics)
-            step = torch.empty(1, 1, dtype=torch.long, device=self.device)
             while True:
                 if tok in self.eos_ids and not config.ignore_eos:
                     finish = "stop"
@@ -312,8 +332,7 @@ class Engine:
                     emitted = safe
                 if cancel is not None and cancel():
                     raise Canceled
-                step[0, 0] = tok
-                logits = self.model(step, **kw).logits[0, -1]
+                logits = decode_one_token(tok)
                 tok = int(torch.argmax(logits)) if greedy else self._sample(logits, config, history, gen)
         except Canceled:
             finish = "canceled"

@@ -4,7 +4,8 @@ A weight row (a gate or up row, a down column, an attention or output row) is st
 with one float32 scale: ``w ~= q * scale``, ``|q| <= 127``. On CPUs the product runs in a small C
 kernel of this package (``kernels/int8_linear.c``: activations quantized per block of 32 like
 llama.cpp's Q8_0, int8 dot products, AVX2 where the CPU has it), compiled once with the system C
-compiler into the model cache and called through ctypes. Where it cannot be built (no compiler)
+compiler into the model cache and called through ctypes; the same library runs a whole decode
+step of an int8 model (:class:`.decode.NativeInt8Step`). Where it cannot be built (no compiler)
 and on accelerators, the fallback dequantizes the rows it needs and uses the float matmul.
 """
 from __future__ import annotations

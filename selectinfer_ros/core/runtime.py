@@ -78,6 +78,7 @@ class Runtime:
             sized.effective_compute_ratio, opts.alpha, opts.device, opts.dtype or None,
             opts.dense_layers, opts.selection, None, log)
         self.engine = Engine.from_selective(self.selective, context_limit)
+        log(f"[runtime] decoding on the {self.engine.decode_path}")
         self.bytes_read, self.load_seconds = self.selective.bytes_read, self.selective.load_seconds
         self.task = self.selective.task
 

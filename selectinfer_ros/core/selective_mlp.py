@@ -151,7 +151,7 @@ class SelectiveMLP(nn.Module):
         else:
             out = nn.functional.linear(x, gu)  # [B, T, 2k]
         out = out.view(*x.shape[:-1], k, 2)
-        h = self.act_fn(out[..., 0]) * out[..., 1]  # [B, T, k]
+        h = self.act_fn(out[..., 0].contiguous()) * out[..., 1]  # [B, T, k]; strided GELU: 6x slower
         if self.down_scale is not None:  # the down column scales fold into the activations
             y = int8.linear(h * self.down_scale[:k].to(h.dtype), self.down[:, :k], None)  # [B, T, H]
         else:

@@ -228,9 +228,17 @@ def run_once(s: Subject, prompt: list[int], new_tokens: int) -> None:
 def measure_shares(s: Subject, prompt: list[int], new_tokens: int) -> None:
     if s.method == "hf_generate":
         return
-    timer = PhaseTimer(s.model)
     cfg = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True,
                            compute_ratio=s.compute_ratio if s.method == "selectinfer" else None)
+    dec = s.engine.decoder
+    if dec is not None:  # the lean decoder times its decode steps itself
+        dec.timings = {"ffn": 0.0, "attention": 0.0, "output": 0.0}
+        res = s.engine.generate(prompt, cfg)
+        step = res.metrics.decode_seconds
+        s.shares = {k: v / step if step > 0 else 0.0 for k, v in dec.timings.items()}
+        dec.timings = None
+        return
+    timer = PhaseTimer(s.model)
     t0 = time.perf_counter()
     res = s.engine.generate(prompt, cfg)
     total = time.perf_counter() - t0
