@@ -135,8 +135,9 @@ class Decoder:
         self.path = "int8 decode kernel" if reason is None else f"torch ops ({reason})"
 
     def _compute_dtype(self) -> torch.dtype:
+        """The activations' dtype: a float embedding's weights', an int8 embedding's ``dtype``."""
         emb = self.embed
-        return getattr(emb, "dtype", None) if not isinstance(emb, nn.Embedding) else emb.weight.dtype
+        return emb.weight.dtype if isinstance(emb, nn.Embedding) else emb.dtype
 
     def _layer(self, blk: nn.Module, cfg, i: int) -> _Layer:
         att = blk.self_attn
@@ -373,13 +374,12 @@ class NativeInt8Step:
         m.act = _ACTIVATIONS[activation_name(cfg)]
         for name, t in bufs.items():
             setattr(m, name, t.data_ptr())
-        ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
         for i, (l, c) in enumerate(zip(d.layers, self.layers)):
             for name in ("input_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm",
                          "q_norm", "k_norm"):
                 norm = getattr(l, name)
                 setattr(c, "in_norm" if name == "input_norm" else name,
-                        ptr(norm.weight) if norm is not None else None)
+                        norm.weight.data_ptr() if norm is not None else None)
             for name in ("q", "k", "v", "o"):
                 lin = getattr(l, name)
                 w = lin.weight
