@@ -185,10 +185,6 @@ class Decoder:
         if self.native is not None:
             self.native.stale = True
 
-    def release(self) -> None:
-        """Free the cache (a later request allocates it again)."""
-        self.k_cache, self.v_cache, self.tables, self.capacity, self.pos = [], [], {}, 0, 0
-
     # -- forward --------------------------------------------------------------------------
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(x * cos, torch.roll(x, self.head_dim // 2, dims=-1), sin)
