@@ -35,6 +35,8 @@ STATUS_TIMEOUT = "TIMEOUT"
 STATUS_NO_SERVER = "NO_SERVER"
 STATUS_FAILED = "FAILED"  # a service call answered success=false
 
+FEEDBACK_GRACE_S = 1.0  # how long a result waits for feedback still in flight
+
 GOAL_FIELDS = ("task", "max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty",
                "seed", "stop", "use_chat_template", "compute_ratio", "choices", "length_normalize")
 
@@ -70,11 +72,42 @@ class _Deadlines:
     result: float  # and the result by then (reset when the goal is accepted)
 
 
+class _Stream:
+    """The streamed text, and the result held until that text has caught up with it.
+
+    Feedback and the result travel on separate channels, so the result can overtake the last
+    feedback messages; holding it (at most ``FEEDBACK_GRACE_S``, in case feedback was dropped)
+    makes the deltas a client saw add up to the result's text.
+    """
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.chars = 0
+        self.held: Outcome | None = None
+        self.until = 0.0
+
+    def add(self, delta: str) -> None:
+        self.pieces.append(delta)
+        self.chars += len(delta)
+
+    def hold(self, outcome: Outcome) -> None:
+        self.held, self.until = outcome, _now() + FEEDBACK_GRACE_S
+
+    def release(self) -> Outcome | None:
+        """The held result once its text has streamed (a choice streams none), else None."""
+        o = self.held
+        if o is None or not (o.choice_index >= 0 or self.chars >= len(o.text) or _now() > self.until):
+            return None
+        self.held = None
+        return o
+
+
 class GoalHandle:
     """One Generate goal as it goes. Every method returns at once.
 
     ``cancel()`` works in every state: before the goal response arrives the cancel is sent as soon
     as the handle comes; a goal whose response or result misses its timeout is canceled too.
+    The outcome comes once the deltas given to ``on_feedback`` add up to its text (see _Stream).
     """
 
     def __init__(self, client: "LLMClient", goal, server_timeout: float, result_timeout: float,
@@ -88,7 +121,7 @@ class GoalHandle:
         self._cancel_requested = False
         self._cancel_sent = False
         self._outcome: Outcome | None = None
-        self._text: list[str] = []
+        self._stream = _Stream()
         self.feedback = None  # the latest Generate.Feedback
         self.accepted: bool | None = None  # None until the goal response comes
         self.goal_id = None
@@ -104,9 +137,10 @@ class GoalHandle:
         fb = msg.feedback
         with self._lock:
             self.feedback = fb
-            self._text.append(fb.text_delta)
+            self._stream.add(fb.text_delta)
         if self._on_feedback is not None:
             self._on_feedback(fb)
+        self._settle()
 
     def _on_goal_response(self, future) -> None:
         try:
@@ -140,7 +174,16 @@ class GoalHandle:
         r = response.result
         status = {GoalStatus.STATUS_SUCCEEDED: STATUS_SUCCEEDED,
                   GoalStatus.STATUS_CANCELED: STATUS_CANCELED}.get(response.status, STATUS_ABORTED)
-        self._set(Outcome(status, r.text, int(r.error_code), r.error_msg, int(r.choice_index), r))
+        with self._lock:
+            self._stream.hold(Outcome(status, r.text, int(r.error_code), r.error_msg,
+                                      int(r.choice_index), r))
+        self._settle()
+
+    def _settle(self) -> None:
+        with self._lock:
+            outcome = self._stream.release()
+        if outcome is not None:
+            self._set(outcome)
 
     def _set(self, outcome: Outcome) -> None:
         with self._lock:
@@ -157,7 +200,8 @@ class GoalHandle:
 
     # ---- public -------------------------------------------------------------------------
     def _check_deadlines(self) -> None:
-        if self._outcome is not None:
+        self._settle()
+        if self._outcome is not None or self._stream.held is not None:
             return
         now = _now()
         if self.accepted is None and now > self._deadlines.server:
@@ -184,7 +228,7 @@ class GoalHandle:
     def text(self) -> str:
         """The text streamed so far."""
         with self._lock:
-            return "".join(self._text)
+            return "".join(self._stream.pieces)
 
     @property
     def cancel_requested(self) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from .common import format_result
 
@@ -90,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
         if outcome.status in (STATUS_REJECTED, STATUS_TIMEOUT) and outcome.result is None:
             print(f"\n{outcome.status}: {outcome.error_msg}", file=sys.stderr)
             return 1
-        time.sleep(0.05)  # let the last feedback messages print before the summary
         if outcome.choice_index >= 0:
             out.write(outcome.text)
         out.write("\n")
