@@ -37,11 +37,11 @@ def test_goal_streams_feedback_and_succeeds_with_metrics(llm_graph, wait_until):
     assert r.profile == 'alpha'
     assert math.isclose(r.load_ratio, 0.7, rel_tol=1e-5)
     assert math.isclose(r.compute_ratio, 0.5, rel_tol=1e-5)
-    # The text streamed as feedback, in order, before the result, and adds up to it.
+    # The text streamed as feedback, in order, adds up to the result. Feedback (a topic) and the
+    # result (a service response) are separate channels: the result may arrive first.
     assert wait_until(lambda: run.text() == r.text, 5.0), (run.text(), r.text)
     counts = [f.generated_tokens for _, f in run.feedback]
     assert len(counts) >= 2 and counts == sorted(counts) and counts[-1] == r.generated_tokens
-    assert run.feedback[0][0] < run.t_done
     stats = g.node.runtime.stats
     assert (stats.succeeded, stats.canceled, stats.aborted, stats.rejected) == (1, 0, 0, 0)
 
