@@ -94,7 +94,7 @@ def test_cancel_mid_stream_returns_partial_text(llm_graph, wait_until):
     r = run.result
     assert r.error_code == R.CANCELED and r.finish_reason == 'canceled'
     assert 3 <= r.generated_tokens < 240
-    assert r.text and r.text == run.text()[:len(r.text)]
+    assert r.text  # the stream may still trail the result (separate channels): wait for it
     assert wait_until(lambda: run.text() == r.text, 5.0), 'partial text differs from the stream'
     # honoured within a decode step (a few tens of ms here) plus message latency
     assert run.t_done - t_ack < 1.0
