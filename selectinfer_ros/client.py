@@ -24,8 +24,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rclpy.action import ActionClient
 from rclpy.node import Node
+
+from .safe_action import SafeActionClient
 
 STATUS_SUCCEEDED = "SUCCEEDED"
 STATUS_CANCELED = "CANCELED"
@@ -125,11 +126,12 @@ class GoalHandle:
         self.feedback = None  # the latest Generate.Feedback
         self.accepted: bool | None = None  # None until the goal response comes
         self.goal_id = None
-        if not client.action.server_is_ready():
+        action = client.live_action()
+        if not action.server_is_ready():
             self._outcome = Outcome(STATUS_NO_SERVER, error_msg=f"no action server "
                                                                 f"{client.action_name}")
             return
-        future = client.action.send_goal_async(goal, feedback_callback=self._feedback)
+        future = action.send_goal_async(goal, feedback_callback=self._feedback)
         future.add_done_callback(self._on_goal_response)
 
     # ---- callbacks (executor threads) -----------------------------------------------------
@@ -273,7 +275,8 @@ class LLMClient:
         self.namespace = namespace
         self.server_timeout, self.result_timeout = server_timeout, result_timeout
         self.action_name = ns_name(namespace, "generate")
-        self.action = ActionClient(node, Generate, self.action_name, callback_group=callback_group)
+        self.action: SafeActionClient | None = SafeActionClient(
+            node, Generate, self.action_name, callback_group=callback_group)
         self.switch_name = ns_name(namespace, "switch_profile")
         self.switch_client = node.create_client(SwitchProfile, self.switch_name,
                                                 callback_group=callback_group)
@@ -352,21 +355,32 @@ class LLMClient:
     # ---- servers --------------------------------------------------------------------------
     def server_ready(self) -> bool:
         """Whether the Generate action server is discovered (returns at once)."""
-        return self.action.server_is_ready()
+        return self.live_action().server_is_ready()
 
     def wait_for_server(self, timeout: float = 10.0) -> bool:
         """Block until the Generate action server is discovered; False after ``timeout``."""
-        return self.action.wait_for_server(timeout_sec=timeout)
+        return self.live_action().wait_for_server(timeout_sec=timeout)
+
+    def live_action(self) -> SafeActionClient:
+        """The Generate action client; RuntimeError once close() has run."""
+        if self.action is None:
+            raise RuntimeError(f"LLMClient for {self.action_name} is closed")
+        return self.action
 
     def close(self) -> None:
-        """Destroy the clients (and the node, executor and context that start() made)."""
-        self.action.destroy()
-        self.node.destroy_client(self.switch_client)
+        """Destroy the clients (and the node, executor and context that start() made); safe
+        while an executor still spins the node (see :mod:`selectinfer_ros.safe_action`)."""
+        action, self.action = self.action, None
+        if action is None:
+            return
         owned, self._owned = self._owned, None
         if owned is not None:
-            import rclpy
             owned.executor.shutdown(timeout_sec=3.0)
             owned.thread.join(3.0)
+        action.destroy()
+        self.node.destroy_client(self.switch_client)
+        if owned is not None:
+            import rclpy
             self.node.destroy_node()
             if owned.context.ok():
                 rclpy.shutdown(context=owned.context)

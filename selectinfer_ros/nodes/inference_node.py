@@ -27,7 +27,7 @@ import time
 
 import rclpy
 from rcl_interfaces.msg import SetParametersResult
-from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.action import CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.lifecycle import LifecycleNodeMixin, TransitionCallbackReturn
 from rclpy.node import Node
@@ -39,6 +39,7 @@ from selectinfer_msgs.msg import ActiveProfile
 from selectinfer_msgs.srv import ReloadBase
 
 from ..core.serving import GoalJob, Outcome, Rejected, Server, goal_config
+from ..safe_action import SafeActionServer
 from . import diagnostics as diag
 from .settings import NodeSettings, ParamError, apply_changes, check_model_files, declare
 
@@ -136,7 +137,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
         self._goal_group = ReentrantCallbackGroup()
         self._reload_group = ReentrantCallbackGroup()
         self._diag_group = MutuallyExclusiveCallbackGroup()
-        self._action_server: ActionServer | None = None
+        self._action_server: SafeActionServer | None = None
         self._reload_srv = None
         self._loaded_pub = self.create_publisher(ActiveProfile, "loaded_profile", LATCHED)
         self._diag_pubs = [self.create_publisher(DiagnosticArray, "diagnostics", 10)]
@@ -188,7 +189,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
             return TransitionCallbackReturn.FAILURE
         self.server.queue_length = self.settings.queue_length
         self.server.accepting = True
-        self._action_server = ActionServer(
+        self._action_server = SafeActionServer(
             self, Generate, "generate",
             goal_callback=self._on_goal, handle_accepted_callback=self._on_accepted,
             cancel_callback=self._on_cancel, execute_callback=self._execute,

@@ -59,10 +59,13 @@ class ProfileManager(LifecycleNodeMixin, Node):
         self._manifest = None
         self._reload_client = None
         self._switch_srv = None
-        self._active_pub = None
-        self._loaded_sub = None
         self._last_loaded: ActiveProfile | None = None
         self.active_task = ""
+        # For the node's whole life: rclpy's executor can die on a publisher's or subscription's
+        # event handler destroyed while it spins (a cleanup transition), unlike on a service.
+        self._active_pub = self.create_lifecycle_publisher(ActiveProfile, "active_profile", LATCHED)
+        self._loaded_sub = self.create_subscription(ActiveProfile, "loaded_profile", self._on_loaded,
+                                                    LATCHED, callback_group=self._group)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def on_configure(self, state) -> TransitionCallbackReturn:
@@ -88,9 +91,6 @@ class ProfileManager(LifecycleNodeMixin, Node):
         self._reload_client = self.create_client(ReloadBase, "reload_base", callback_group=self._group)
         self._switch_srv = self.create_service(SwitchProfile, "switch_profile", self._on_switch,
                                                callback_group=self._group)
-        self._active_pub = self.create_lifecycle_publisher(ActiveProfile, "active_profile", LATCHED)
-        self._loaded_sub = self.create_subscription(ActiveProfile, "loaded_profile", self._on_loaded,
-                                                    LATCHED, callback_group=self._group)
         log.info(f"configured: {manifest.model_id}, {len(catalog.tasks)} profiles in {folder}: "
                  f"{', '.join(catalog.tasks)}")
         return TransitionCallbackReturn.SUCCESS
@@ -136,14 +136,8 @@ class ProfileManager(LifecycleNodeMixin, Node):
             self.destroy_service(self._switch_srv)
         if self._reload_client is not None:
             self.destroy_client(self._reload_client)
-        if self._loaded_sub is not None:
-            self.destroy_subscription(self._loaded_sub)
-        if self._active_pub is not None:
-            destroy = getattr(self, "destroy_lifecycle_publisher", self.destroy_publisher)
-            destroy(self._active_pub)
-        self._switch_srv = self._reload_client = self._loaded_sub = self._active_pub = None
+        self._switch_srv = self._reload_client = None
         self._catalog = self._manifest = None
-        self._last_loaded = None
 
     # ---- switching ----------------------------------------------------------------------------
     @property
@@ -205,9 +199,7 @@ class ProfileManager(LifecycleNodeMixin, Node):
             self._publish(msg)
 
     def _publish(self, msg: ActiveProfile) -> None:
-        pub = self._active_pub
-        if pub is not None:
-            pub.publish(msg)
+        self._active_pub.publish(msg)
 
     def _on_set_parameters(self, params) -> SetParametersResult:
         new, reason = apply_changes(self.settings, params)

@@ -64,14 +64,22 @@ class SpinningExecutor:
         self._thread.start()
         return self
 
-    def stop(self, timeout=5.0):
+    def halt(self, timeout=5.0):
+        """Stop spinning; True if the thread ended. Destroy entities only after this: rclpy's
+        executor may add a handle destroyed under it to its wait set and raise."""
         self.executor.shutdown(timeout_sec=timeout)
         self._thread.join(timeout)
-        alive = self._thread.is_alive()
+        return not self._thread.is_alive()
+
+    def destroy_nodes(self):
         for node in reversed(self.nodes):
             node.destroy_node()
         self.nodes.clear()
-        return not alive
+
+    def stop(self, timeout=5.0):
+        stopped = self.halt(timeout)
+        self.destroy_nodes()
+        return stopped
 
 
 @pytest.fixture
@@ -315,8 +323,9 @@ def llm_graph(ros_context, tiny_llm):
     try:
         yield make
     finally:
+        stopped = spinner.halt(timeout=10.0)
         for g in graphs:
             g.close()
-        stopped = spinner.stop(timeout=10.0)
+        spinner.destroy_nodes()
         assert spinner.error is None, f'executor raised: {spinner.error!r}'
         assert stopped, 'executor thread did not stop within 10 s'

@@ -140,8 +140,9 @@ def test_goal_right_after_wait_for_server_then_ctrl_c_ends_it_with_a_reason(ros_
         assert 3 <= run.result.generated_tokens < 500
         assert proc.wait(30) == 0, ''.join(out.lines)
     finally:
+        spinner.halt()
         client.destroy()
-        spinner.stop()
+        spinner.destroy_nodes()
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)

@@ -101,8 +101,11 @@ def test_lifecycle_in_order_works_and_out_of_order_is_refused(llm_graph, wait_un
     assert state(g) == State.PRIMARY_STATE_UNCONFIGURED
     assert g.manager.tasks == []
     assert not change(g, T.TRANSITION_ACTIVATE)
-    # and the whole cycle works again, then shutdown
+    # and the whole cycle works again (active_profile published anew), then shutdown
+    published = len(log.msgs)
     assert change(g, T.TRANSITION_CONFIGURE) and change(g, T.TRANSITION_ACTIVATE)
+    assert wait_until(lambda: len(log.msgs) > published, 10.0), 'no active_profile after cleanup'
+    assert log.last_task() == 'beta'
     assert change(g, T.TRANSITION_ACTIVE_SHUTDOWN)
     assert state(g) == State.PRIMARY_STATE_FINALIZED
     assert not change(g, T.TRANSITION_CONFIGURE)
