@@ -13,7 +13,8 @@ and no ``dtype``, dtype becomes float32 (float16 matmuls are slow on CPUs).
 Both nodes are lifecycle nodes, brought up in order by ChangeState events chained with
 OnStateTransition handlers: selectinfer_node configure (loads the model; a first run prepares
 the embedded one) -> activate (the generate action server appears only now, so a client whose
-``wait_for_server()`` returns is served) -> profile_manager configure -> activate. Without
+``wait_for_server()`` returns is served) -> profile_manager configure -> activate. The chain
+runs once: later ``ros2 lifecycle set`` transitions move only the node they name. Without
 launch installed, ``python -m selectinfer_ros.bringup --params <yaml>`` does the same.
 """
 import os
@@ -87,9 +88,11 @@ def _launch_setup(context, *args, **kwargs):
                                            transition_id=transition_id))
 
     def after(node, start, goal, message, *entities):
+        # Once: the bring-up chain. Later transitions (ros2 lifecycle set ...) are the user's, so
+        # a reactivated selectinfer_node does not reconfigure an active profile_manager.
         return RegisterEventHandler(OnStateTransition(
             target_lifecycle_node=node, start_state=start, goal_state=goal,
-            entities=[LogInfo(msg=message), *entities]))
+            entities=[LogInfo(msg=message), *entities], handle_once=True))
 
     return [
         LogInfo(msg=f'selectinfer: params {params_file}, overrides {overrides}, '

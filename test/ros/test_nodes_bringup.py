@@ -211,3 +211,7 @@ def test_launch_file_declares_the_arguments_and_chains_both_lifecycles():
              and isinstance(c.args[0], ast.Name) and c.args[0].id == 'inference'
              and c.args[1].attr == 'TRANSITION_CONFIGURE']
     assert len(first) == 1
+    # the chain runs once (a later deactivate/activate must not reconfigure an active manager)
+    handlers = [c for c in calls if getattr(c.func, 'id', '') == 'OnStateTransition']
+    assert [kw.value.value for c in handlers for kw in c.keywords if kw.arg == 'handle_once'] \
+        == [True]
