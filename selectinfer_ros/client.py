@@ -78,7 +78,8 @@ class _Stream:
 
     Feedback and the result travel on separate channels, so the result can overtake the last
     feedback messages; holding it (at most ``FEEDBACK_GRACE_S``, in case feedback was dropped)
-    makes the deltas a client saw add up to the result's text.
+    makes the deltas a client saw add up to the result's text. The action client keeps calling
+    back with the goal's feedback past its result (rclpy's would stop, see ``safe_action``).
     """
 
     def __init__(self) -> None:
@@ -137,11 +138,11 @@ class GoalHandle:
     # ---- callbacks (executor threads) -----------------------------------------------------
     def _feedback(self, msg) -> None:
         fb = msg.feedback
+        if self._on_feedback is not None:
+            self._on_feedback(fb)  # first: the outcome waits until on_feedback has had the text
         with self._lock:
             self.feedback = fb
             self._stream.add(fb.text_delta)
-        if self._on_feedback is not None:
-            self._on_feedback(fb)
         self._settle()
 
     def _on_goal_response(self, future) -> None:
@@ -189,8 +190,13 @@ class GoalHandle:
 
     def _set(self, outcome: Outcome) -> None:
         with self._lock:
-            if self._outcome is None:
-                self._outcome = outcome
+            if self._outcome is not None:
+                return
+            self._outcome = outcome
+            goal_id = self.goal_id
+        action = self._client.action
+        if goal_id is not None and action is not None:
+            action.forget_feedback(goal_id)  # kept past the result until the text caught up
 
     def _send_cancel(self) -> None:
         with self._lock:

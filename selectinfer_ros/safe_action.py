@@ -1,5 +1,6 @@
-"""rclpy action client and server that may be destroyed while an executor spins their node.
+"""rclpy action client and server for the package's nodes and client, with three rclpy gaps closed.
 
+**Destroy while spinning.**
 rclpy's executor gathers a node's waitables, then enters each one's handle and adds it to the
 wait set; an ``ActionClient.destroy()`` or ``ActionServer.destroy()`` that lands in between
 leaves a destroyed handle that the executor still adds, and the executor thread dies with
@@ -7,6 +8,15 @@ leaves a destroyed handle that the executor still adds, and the executor thread 
 A lifecycle node that removes its action server on deactivate, or a client closed while its
 node spins, hits that window. Here ``destroy()`` first marks the entity retired (under a lock the
 wait-set calls take), so a retired entity adds nothing, is never ready and yields no data.
+
+**Feedback the result overtook.** Feedback (a topic) and the result (a service response) travel
+on separate channels, so the result can arrive before the goal's last feedback messages; rclpy's
+ActionClient drops the goal's feedback callback as soon as the result arrives, and those last
+messages are lost (a CI run saw the last three text deltas of a canceled goal go missing).
+:class:`SafeActionClient` keeps the callback until :meth:`~SafeActionClient.forget_feedback`.
+
+**Feedback queue depth.** Feedback is queued ``FEEDBACK_DEPTH`` deep on both sides instead of
+rclpy's 10, so a client whose executor stalls for a moment loses no text deltas (one per token).
 """
 from __future__ import annotations
 
@@ -14,6 +24,9 @@ import threading
 from typing import Any
 
 from rclpy.action import ActionClient, ActionServer
+from rclpy.qos import QoSProfile
+
+FEEDBACK_DEPTH = 100  # feedback messages queued per writer/reader (rclpy's default: 10)
 
 
 class _Retiring:
@@ -46,8 +59,26 @@ class _Retiring:
 
 
 class SafeActionClient(_Retiring, ActionClient):
-    """``rclpy.action.ActionClient`` whose destroy() may run while its node spins."""
+    """``rclpy.action.ActionClient`` whose destroy() may run while its node spins, and whose
+    feedback callbacks outlive the result until :meth:`forget_feedback`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("feedback_sub_qos_profile", QoSProfile(depth=FEEDBACK_DEPTH))
+        super().__init__(*args, **kwargs)
+
+    def _remove_pending_result_request(self, future) -> None:
+        # rclpy's (Humble to Kilted), less dropping the goal's feedback callback.
+        seq = self._remove_pending_request(future, self._pending_result_requests)
+        self._result_sequence_number_to_goal_id.pop(seq, None)
+
+    def forget_feedback(self, goal_id: bytes) -> None:
+        """Stop calling the feedback callback of goal ``goal_id`` (its UUID bytes)."""
+        self._feedback_callbacks.pop(goal_id, None)
 
 
 class SafeActionServer(_Retiring, ActionServer):
     """``rclpy.action.ActionServer`` whose destroy() may run while its node spins."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("feedback_pub_qos_profile", QoSProfile(depth=FEEDBACK_DEPTH))
+        super().__init__(*args, **kwargs)

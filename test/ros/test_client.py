@@ -65,6 +65,27 @@ def test_a_result_that_overtakes_its_feedback_is_held_until_the_text_has_streame
     assert s.release().text == 'w264 w219 w346'
 
 
+def test_feedback_still_arrives_after_its_result_on_a_slow_client(llm_graph, monkeypatch):
+    # A slow on_feedback keeps the feedback queued while the result comes: rclpy's ActionClient
+    # drops a goal's feedback callback as soon as the result arrives, and the queued deltas were
+    # lost (a CI run lost the last three of a canceled goal); SafeActionClient keeps delivering,
+    # and feedback queues of FEEDBACK_DEPTH (rclpy's default of 10 dropped the oldest here).
+    monkeypatch.setattr(client_module, 'FEEDBACK_GRACE_S', 30.0)  # the hold is not what is tested
+    g = llm_graph().ready()
+    llm = make_client(g)
+    assert llm.wait_for_server(10.0)
+    pieces = []
+
+    def slow(fb):
+        time.sleep(0.05)
+        pieces.append(fb.text_delta)
+
+    out = llm.generate('w5 w6 w7', max_new_tokens=16, on_feedback=slow)  # more than 10 queued
+    assert out.ok and out.result.generated_tokens == 16
+    assert ''.join(pieces) == out.text and len(pieces) >= 12
+    assert llm.action._feedback_callbacks == {}  # forgotten once the outcome is known
+
+
 def test_errors_are_data(llm_graph, wait_until):
     g = llm_graph(max_new_tokens_limit=1024).ready()
     llm = make_client(g)
