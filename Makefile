@@ -4,7 +4,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	bash -c 'set +u; source scripts/env.sh && .venv/bin/python -m selectinfer_ros.demo'
+	bash -c 'set +u; source scripts/env.sh && .venv/bin/python -m selectinfer_ros.ros.demo'
 
 test:
 	bash scripts/run_tests.sh

@@ -15,7 +15,7 @@ OnStateTransition handlers: selectinfer_node configure (loads the model; a first
 the embedded one) -> activate (the generate action server appears only now, so a client whose
 ``wait_for_server()`` returns is served) -> profile_manager configure -> activate. The chain
 runs once: later ``ros2 lifecycle set`` transitions move only the node they name. Without
-launch installed, ``python -m selectinfer_ros.bringup --params <yaml>`` does the same.
+launch installed, ``python -m selectinfer_ros.ros.bringup --params <yaml>`` does the same.
 """
 import os
 

@@ -58,7 +58,7 @@ fi
 
 # The cache root as the package computes it (default_model.cache_root), else the same rule here.
 if ! CACHE="$(PYTHONPATH="$ROOT" "$PY" -c \
-    'from selectinfer_ros.core.default_model import cache_root; print(cache_root())' 2>/dev/null)"; then
+    'from selectinfer_ros.core.format.paths import cache_root; print(cache_root())' 2>/dev/null)"; then
   CACHE="${SELECTINFER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/selectinfer}"
 fi
 BASE="$CACHE/llama.cpp"

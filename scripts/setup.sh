@@ -2,7 +2,7 @@
 # One-shot, idempotent setup from a fresh clone (Debian 12 / Python 3.11, no ROS install):
 #   .venv with pinned ROS 2 kilted wheels from PyPI + torch (CPU) + the model stack,
 #   the interface package selectinfer_msgs built with colcon into install/,
-#   and the default model (if selectinfer_ros.core.default_model exists).
+#   and the default model (if selectinfer_ros.core.format.default_model exists).
 # A second run only checks stamps and takes seconds.
 set -euo pipefail
 
@@ -134,9 +134,9 @@ for entry in ast.literal_eval(entries):
 PYEOF
 
 # --- default model (assembled and converted once; idempotent) ---------------
-if [ -f selectinfer_ros/core/default_model.py ]; then
+if [ -f selectinfer_ros/core/format/default_model.py ]; then
   say "default model"
-  "$VPY" -m selectinfer_ros.core.default_model
+  "$VPY" -m selectinfer_ros.core.format.default_model
 fi
 
 say "done"

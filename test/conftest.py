@@ -13,7 +13,7 @@ os.environ.setdefault("SELECTINFER_QUIET", "1")
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """Per family: (HF checkpoint dir, packed dir) of a small random-weight model."""
-    from selectinfer_ros.core.pack import pack
+    from selectinfer_ros.core.format.pack import pack
     from selectinfer_ros.lab.random_model import make_random_model
     root = tmp_path_factory.mktemp("tiny")
     out = {}
@@ -27,11 +27,11 @@ def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 def tiny_profiles(tiny_models, tmp_path_factory) -> dict[str, Path]:
     """Per family: task 'alpha' profiled on random token text, task 'beta' with random scores
     (random weights make every text's top neurons alike; the loader tests need tasks that differ)."""
-    from selectinfer_ros.core.loader import load_dense
-    from selectinfer_ros.core.pack import read_manifest
-    from selectinfer_ros.core.profiler import activation_scores
-    from selectinfer_ros.core.profiles import Profile
-    from selectinfer_ros.core.tokenizer import load_tokenizer
+    from selectinfer_ros.core.selection.loader import load_dense
+    from selectinfer_ros.core.format.pack import read_manifest
+    from selectinfer_ros.core.profiling.profiler import activation_scores
+    from selectinfer_ros.core.selection.profiles import Profile
+    from selectinfer_ros.core.format.tokenizer import load_tokenizer
     out = {}
     g = torch.Generator().manual_seed(1)
     for preset, (hf, packed) in tiny_models.items():
@@ -52,14 +52,14 @@ def tiny_profiles(tiny_models, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def embedded() -> Path:
     """The packed embedded Gemma 3 270M (converted by the setup script)."""
-    from selectinfer_ros.core.default_model import ensure_packed
+    from selectinfer_ros.core.format.default_model import ensure_packed
     return ensure_packed(log=lambda s: None)
 
 
 @pytest.fixture(scope="session")
 def embedded_profiles() -> Path:
-    from selectinfer_ros.core.default_model import MODEL_ID
-    from selectinfer_ros.core.paths import default_profiles_dir
+    from selectinfer_ros.core.format.default_model import MODEL_ID
+    from selectinfer_ros.core.format.paths import default_profiles_dir
     d = default_profiles_dir(MODEL_ID)
     assert any(d.glob("*.safetensors")), f"no shipped profiles in {d}"
     return d

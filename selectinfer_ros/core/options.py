@@ -111,12 +111,22 @@ class ModelOptions:
         """Cross-setting checks (ParamError with the reason)."""
         if self.memory_budget_mb > 0 or self.min_agreement > 0:  # load_ratio chosen at load
             return
-        from .loader import check_ratios
         try:
             check_ratios(self.load_ratio, self.effective_static_ratio, self.effective_compute_ratio)
         except ValueError as e:
             raise ParamError(f"ratios refused (need 0 <= static_ratio <= compute_ratio <= "
                              f"load_ratio <= 1): {e}") from None
+
+
+def check_ratios(load_ratio: float, static_ratio: float, compute_ratio: float) -> None:
+    """Refuse ratios outside 0 <= delta <= phi <= gamma <= 1 with the reason."""
+    if not 0.0 < load_ratio <= 1.0:
+        raise ValueError(f"load_ratio must be in (0, 1], got {load_ratio}")
+    if not 0.0 <= static_ratio <= load_ratio:
+        raise ValueError(f"static_ratio must be in [0, load_ratio={load_ratio}], got {static_ratio}")
+    if not static_ratio <= compute_ratio <= load_ratio:
+        raise ValueError(f"compute_ratio must be in [static_ratio={static_ratio}, "
+                         f"load_ratio={load_ratio}], got {compute_ratio}")
 
 
 @dataclass(frozen=True)

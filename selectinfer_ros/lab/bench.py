@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..core.engine import Engine, GenerationConfig
-from ..core.loader import SelectiveModel, build_skeleton, load_dense, resolve_dtype
-from ..core.metrics import peak_rss_bytes, process_rss_bytes
-from ..core.pack import read_manifest
-from ..core.tokenizer import load_tokenizer
+from ..core.execution.engine import Engine, GenerationConfig
+from ..core.selection.loader import SelectiveModel, build_skeleton, load_dense, resolve_dtype
+from ..core.execution.metrics import peak_rss_bytes, process_rss_bytes
+from ..core.format.pack import read_manifest
+from ..core.format.tokenizer import load_tokenizer
 from . import llama_cpp
 
 GRID = [(1.0, 1.0), (0.9, 0.7), (0.7, 0.7), (0.7, 0.5), (0.5, 0.35)]
@@ -329,8 +329,8 @@ def row_of(s: Subject, dense: Subject, model_id: str, bw: float, args, threads: 
 def int8_pack_of(packed: Path, log) -> Path:
     """The int8 pack (``pack --weights int8``) of a float packed model, made once beside it from
     the checkpoint it was packed from."""
-    from ..core.filelock import exclusive_lock
-    from ..core.pack import is_packed, pack
+    from ..core.format.filelock import exclusive_lock
+    from ..core.format.pack import is_packed, pack
     target = packed.with_name(packed.name + "-int8")
     with exclusive_lock(packed.parent / ".int8.lock", log, "the int8 pack"):
         if is_packed(target):
@@ -348,8 +348,9 @@ def int8_pack_of(packed: Path, log) -> Path:
 def resolve_model(args, log, llama_dir: Path | None = None) -> tuple[Path, Path | None]:
     """The packed model (and profiles) to bench: --model, a random --preset, or the embedded one.
     With a llama.cpp build, a preset's checkpoint is also converted to GGUF (once)."""
-    from ..core.default_model import cache_root, ensure_packed
-    from ..core.paths import default_profiles_dir
+    from ..core.format.default_model import ensure_packed
+    from ..core.format.paths import cache_root
+    from ..core.format.paths import default_profiles_dir
     if args.preset:
         root = cache_root() / f"random-{args.preset}"
         packed = root / "packed"
@@ -359,7 +360,7 @@ def resolve_model(args, log, llama_dir: Path | None = None) -> tuple[Path, Path 
             from .random_model import make_random_model
             make_random_model(args.preset, root / "hf", dtype=torch.bfloat16)
         if not (packed / "manifest.json").exists():
-            from ..core.pack import pack
+            from ..core.format.pack import pack
             log(f"[bench] writing random-weight {args.preset} (once) ...")
             write_checkpoint()
             pack(root / "hf", packed, model_id=model_id, log=log)
@@ -387,8 +388,8 @@ def resolve_model(args, log, llama_dir: Path | None = None) -> tuple[Path, Path 
 
 def random_profile(packed: Path, out: Path, log) -> None:
     """A profile for a random-weight model from random token text (speed work only)."""
-    from ..core.profiler import activation_scores
-    from ..core.profiles import Profile
+    from ..core.profiling.profiler import activation_scores
+    from ..core.selection.profiles import Profile
     m = read_manifest(packed)
     model, _ = load_dense(packed, torch.bfloat16)
     tok = load_tokenizer(packed)

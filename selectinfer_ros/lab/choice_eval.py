@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-from ..core.engine import GenerationConfig
+from ..core.execution.engine import GenerationConfig
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "eval" / "choices.jsonl"
 ROOM_PROMPT = ("Where should the robot go next?\nScene: The battery is at 8 percent.\nRoom: dock\n"
@@ -92,12 +91,12 @@ def summarize(items: list[dict], rows: list[dict], dense_rows: list[dict] | None
 def cmd_eval_choices(args: argparse.Namespace) -> int:
     import torch
 
-    from ..core.cli import _log, _model_path
+    from ..core.format.progress import log_line as _log
     from ..core.options import ModelOptions
-    from ..core.runtime import Runtime
+    from ..core.serving.runtime import Runtime, model_path
     torch.set_num_threads(args.threads)
     items = read_items(args.data, args.limit)
-    model = _model_path(args.model)
+    model = model_path(ModelOptions(model=args.model or ""), _log)
     configs = [("dense", None, None)] + [(f"{g:g}/{p:g}", g, p) for g, p in
                                           (tuple(float(x) for x in pair.split(",")) for pair in args.grid)]
     report: dict = {"data": str(args.data), "threads": args.threads, "configs": {}}
@@ -159,6 +158,3 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_eval_choices)
 
 
-if __name__ == "__main__":
-    from ..core.cli import main
-    sys.exit(main(["eval-choices", *sys.argv[1:]]))

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from ..core.engine import Engine, GenerationConfig
-from ..core.loader import SelectiveModel, load_dense
-from ..core.paths import DATA_DIR, default_profiles_dir
-from ..core.profiler import agreement_and_kl, agreement_pairs, dense_reference, read_jsonl
-from ..core.tokenizer import load_tokenizer
+from ..core.execution.engine import Engine, GenerationConfig
+from ..core.selection.loader import SelectiveModel, load_dense
+from ..core.format.paths import DATA_DIR, default_profiles_dir
+from ..core.profiling.profiler import agreement_and_kl, agreement_pairs, dense_reference, read_jsonl
+from ..core.format.tokenizer import load_tokenizer
 from .textmetrics import chrf, contains, exact_match, rouge_l
 
 GRID = [(0.9, 0.7), (0.7, 0.7), (0.7, 0.5), (0.5, 0.35)]
@@ -188,8 +188,8 @@ def _log(s: str) -> None:
 def run(args: argparse.Namespace) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
-    from ..core.default_model import ensure_packed
-    from ..core.pack import read_manifest
+    from ..core.format.default_model import ensure_packed
+    from ..core.format.pack import read_manifest
     model_path = Path(args.model) if args.model else ensure_packed(_log)
     manifest = read_manifest(model_path)
     profiles = Path(args.profiles) if args.profiles else default_profiles_dir(manifest.model_id)
@@ -222,9 +222,9 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def ensure_alt_profiles(model_path: Path, alt: Path, args: argparse.Namespace) -> None:
     """Profiles of every task made on the second phrasing (profiling_alt/), once."""
-    from ..core.loader import load_dense
-    from ..core.pack import read_manifest
-    from ..core.profiler import profile_task
+    from ..core.selection.loader import load_dense
+    from ..core.format.pack import read_manifest
+    from ..core.profiling.profiler import profile_task
     manifest = read_manifest(model_path)
     files = sorted((DATA_DIR / "profiling_alt").glob("*.jsonl"))
     if alt.is_dir() and all((alt / f"{f.stem}.safetensors").exists() for f in files):

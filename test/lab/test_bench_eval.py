@@ -9,7 +9,7 @@ from selectinfer_ros.lab.textmetrics import chrf, exact_match, rouge_l
 
 
 def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "selectinfer_ros.core.cli", *args], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "selectinfer_ros.cli", *args], capture_output=True,
                          text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return out

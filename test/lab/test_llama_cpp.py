@@ -21,7 +21,7 @@ BUILD_SCRIPT = ROOT / "scripts" / "build_llama_cpp.sh"
 
 def test_auto_without_a_build_says_how_to_build_it(tmp_path):
     env = {**os.environ, "SELECTINFER_CACHE": str(tmp_path)}
-    res = subprocess.run([sys.executable, "-m", "selectinfer_ros.core.cli", "bench", "--quick",
+    res = subprocess.run([sys.executable, "-m", "selectinfer_ros.cli", "bench", "--quick",
                           "--llama-cpp", "auto"], capture_output=True, text=True, env=env,
                          timeout=300)
     assert res.returncode == 2, res.stdout + res.stderr

@@ -123,7 +123,7 @@ def wait_for_future():
 
 
 # ---------------------------------------------------------------------------------------------
-# selectinfer nodes (selectinfer_ros.nodes) on a tiny random model
+# selectinfer nodes (selectinfer_ros.ros.nodes) on a tiny random model
 # ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope='session')
@@ -137,12 +137,12 @@ def tiny_llm(tmp_path_factory):
     os.environ.setdefault('SELECTINFER_QUIET', '1')
     import torch
 
-    from selectinfer_ros.core.loader import load_dense
-    from selectinfer_ros.core.pack import pack, read_manifest
-    from selectinfer_ros.core.profiler import activation_scores
-    from selectinfer_ros.core.profiles import Profile
+    from selectinfer_ros.core.selection.loader import load_dense
+    from selectinfer_ros.core.format.pack import pack, read_manifest
+    from selectinfer_ros.core.profiling.profiler import activation_scores
+    from selectinfer_ros.core.selection.profiles import Profile
     from selectinfer_ros.lab.random_model import make_random_model
-    from selectinfer_ros.core.tokenizer import load_tokenizer
+    from selectinfer_ros.core.format.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp('tiny-llm')
     hf = make_random_model('tiny-llama', root / 'hf', std=0.1)
@@ -177,8 +177,8 @@ class LLMGraph:
         from rclpy.parameter import Parameter
 
         from selectinfer_msgs.action import Generate
-        from selectinfer_ros.nodes.inference_node import InferenceNode
-        from selectinfer_ros.nodes.profile_manager import ProfileManager
+        from selectinfer_ros.ros.nodes.inference_node import InferenceNode
+        from selectinfer_ros.ros.nodes.profile_manager import ProfileManager
 
         self.spinner = spinner
         self.namespace = namespace

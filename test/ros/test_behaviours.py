@@ -71,8 +71,8 @@ def read(key):
 
 
 def test_patrol_tree_ticks_to_success_with_the_answers_on_the_blackboard(embedded_graph):
-    from selectinfer_ros.core.engine import GenerationConfig
-    from selectinfer_ros.examples import bt_patrol
+    from selectinfer_ros.core.execution.engine import GenerationConfig
+    from selectinfer_ros.ros.examples import bt_patrol
     g = embedded_graph
     scene = 'The battery is at 4 percent and the robot is in the kitchen.'
     write('/scene', scene)
@@ -98,7 +98,7 @@ def test_patrol_tree_ticks_to_success_with_the_answers_on_the_blackboard(embedde
 
 def long_generation_tree(namespace):
     """A selector whose higher-priority branch fires when /interrupt becomes true."""
-    from selectinfer_ros.behaviours import Generate
+    from selectinfer_ros.ros.behaviours import Generate
     interrupt = py_trees.behaviours.CheckBlackboardVariableValue(
         'interrupt?', check=py_trees.common.ComparisonExpression('/interrupt', True, operator.eq))
     gen = Generate('story', 'Once upon a time, in a small village by the sea,', namespace=namespace,
@@ -152,8 +152,8 @@ def test_preempted_before_the_goal_response_and_tree_shutdown_cancel(embedded_gr
 
 
 def test_invalid_choices_are_rejected_with_a_reason(embedded_graph):
-    from selectinfer_ros.behaviours import Choose
-    from selectinfer_ros.client import STATUS_REJECTED
+    from selectinfer_ros.ros.behaviours import Choose
+    from selectinfer_ros.ros.client import STATUS_REJECTED
     g = embedded_graph
     too_many = Choose('65 options', 'Pick a number:', [f'n{i}' for i in range(65)],
                       namespace=g.namespace, error_key='/err')
@@ -185,7 +185,7 @@ def test_invalid_choices_are_rejected_with_a_reason(embedded_graph):
 def test_blackboard_inputs_and_outcome_mapping(llm_graph):
     """Tiny model: prompt and choices from blackboard keys, options mapped to FAILURE, and
     a missing key or an empty choices list failing without a goal."""
-    from selectinfer_ros.behaviours import Choose, Generate
+    from selectinfer_ros.ros.behaviours import Choose, Generate
     g = llm_graph().ready()
     write('/question', 'w5 w6 w7')
     write('/rooms', ['w8', 'w9 w10', 'w11'])

@@ -1,4 +1,4 @@
-"""The client facade (selectinfer_ros.client.LLMClient) against the real nodes (tiny model).
+"""The client facade (selectinfer_ros.ros.client.LLMClient) against the real nodes (tiny model).
 
 Covers: blocking generate/choose with streamed feedback; errors as data (rejection, no server,
 result timeout, refused switch) instead of exceptions; cancel mid-stream and before the goal
@@ -12,8 +12,8 @@ from lifecycle_msgs.msg import Transition
 from lifecycle_msgs.srv import ChangeState
 
 from selectinfer_msgs.action import Generate
-from selectinfer_ros import client as client_module
-from selectinfer_ros.client import (STATUS_CANCELED, STATUS_FAILED, STATUS_NO_SERVER,
+from selectinfer_ros.ros import client as client_module
+from selectinfer_ros.ros.client import (STATUS_CANCELED, STATUS_FAILED, STATUS_NO_SERVER,
                                     STATUS_REJECTED, STATUS_SUCCEEDED, STATUS_TIMEOUT, LLMClient,
                                     Outcome, _Stream)
 

@@ -1,4 +1,4 @@
-"""selectinfer_ros.safe_action: action entities destroyed while a real executor spins their node.
+"""selectinfer_ros.ros.safe_action: action entities destroyed while a real executor spins their node.
 
 In this loop rclpy's own ActionClient.destroy() kills the executor thread within the first
 ~100 rounds (``RCLError: ... action client pointer is invalid``); the safe classes must not.
@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from selectinfer_msgs.action import Generate
-from selectinfer_ros.safe_action import SafeActionClient, SafeActionServer
+from selectinfer_ros.ros.safe_action import SafeActionClient, SafeActionServer
 
 ROUNDS = 200
 

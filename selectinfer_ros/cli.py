@@ -1,0 +1,339 @@
+"""``selectinfer``: pack, profile, generate, bench and eval from the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .core.execution.engine import GenerationConfig
+from .core.execution.escapes import process_escapes
+from .core.options import ModelOptions, ParamError, add_arguments, from_namespace
+from .core.format.pack import WEIGHTS
+from .core.format.progress import log_line as _log
+
+
+def _model_path(arg: str | None) -> str:
+    from .core.serving.runtime import model_path
+    return model_path(ModelOptions(model=arg or ""), _log)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model options (one per :class:`ModelOptions` field: --model, --load-ratio, ...)."""
+    add_arguments(p, ModelOptions)
+
+
+def runtime_from_args(args: argparse.Namespace, dense: bool = False):
+    """The Runtime of parsed model options (validated as the nodes validate their parameters)."""
+    from .core.serving.runtime import Runtime
+    return Runtime(from_namespace(ModelOptions, args), log=_log, dense=dense)
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    from .core.selection.loader import resolve_dtype
+    from .core.format.pack import pack
+    pack(args.hf_dir, args.out_dir, model_id=args.model_id,
+         dtype=resolve_dtype(args.dtype, None) if args.dtype else None, weights=args.weights,
+         log=_log)
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Profile a task on a prompt file (JSONL or plain text lines), then measure its quality curve
+    (agreement with dense over a gamma grid) on held-out prompts and store it in the profile."""
+    import torch
+    from .core.selection.loader import load_dense
+    from .core.format.pack import read_manifest
+    from .core.format.paths import default_profiles_dir
+    from .core.profiling.profiler import measure_quality_curve, profile_task, read_prompts, split_heldout
+    from .core.selection.profiles import load_profile, profile_path
+    from .core.format.tokenizer import load_tokenizer
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not args.task.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"task name {args.task!r}: use letters, digits, '_' and '-' (it names the file)")
+    path = _model_path(args.model)
+    manifest = read_manifest(path)
+    out = Path(args.out) if args.out else default_profiles_dir(manifest.model_id)
+    records = [r for f in args.data for r in read_prompts(f)]
+    if args.heldout:
+        profiled, heldout = records, [r for f in args.heldout for r in read_prompts(f)]
+    else:
+        profiled, heldout = split_heldout(records)
+    target = profile_path(out, args.task)
+    if args.curve_only:
+        prof = load_profile(target, manifest)
+    else:
+        model, _ = load_dense(path, args.dtype, args.device)
+        tok = load_tokenizer(path)
+        prof = profile_task(model, tok, manifest, args.task, args.data, args.batch_size,
+                            args.max_tokens, sensitivity=not args.no_sensitivity, records=profiled,
+                            normalize=args.normalize)
+        del model
+        prof.save(target)
+        _log(f"[profile] {args.task}: {len(profiled)} records, {prof.tokens} tokens -> {target}")
+    if args.no_curve:
+        return 0
+    if not heldout:
+        _log(f"[profile] {args.task}: fewer than 8 records and no --heldout: no quality curve "
+             f"(--min-agreement cannot use this task)")
+        return 0
+    curve = measure_quality_curve(path, out, args.task, heldout, args.selection, alpha=args.alpha,
+                                  device=args.device, dtype=args.dtype,
+                                  data_name=", ".join(Path(f).name for f in (args.heldout or args.data)),
+                                  log=_log)
+    prof.set_quality_curve(curve)
+    prof.save(target)
+    _log(f"[profile] {args.task}: quality curve on {curve.items} held-out records "
+         f"({curve.tokens} tokens, selection {curve.selection}) -> {target}")
+    print(format_curve(args.task, curve))
+    return 0
+
+
+def format_curve(task: str, curve) -> str:
+    """The stored quality curve as a table: gamma rows, phi/gamma columns."""
+    head = "".join(f"  phi={s:g}*gamma" for s in curve.compute_shares)
+    lines = [f"task {task}: next-token agreement with dense (KL nats/token) on {curve.items} held-out "
+             f"records, {curve.tokens} tokens, selection {curve.selection or '?'}",
+             f"  gamma{head}"]
+    for i, g in enumerate(curve.load_ratios):
+        cells = "".join(f"  {float(curve.agreement[i, j]):.3f} ({float(curve.kl[i, j]):.2f})"
+                        for j in range(len(curve.compute_shares)))
+        lines.append(f"  {g:5.2f}{cells}")
+    return "\n".join(lines)
+
+
+def cmd_profile_show(argv: list[str]) -> int:
+    from .core.selection.profiles import load_profile
+    from .core.profiling.profiler import summarize
+    p = argparse.ArgumentParser(prog="selectinfer profile show")
+    p.add_argument("dir", help="profiles folder (profiles/<model-id>)")
+    p.add_argument("--static-ratio", type=float, default=0.3)
+    p.add_argument("--plot", help="write the quality curves of every task to this PNG file")
+    args = p.parse_args(argv)
+    profs = {f.stem: load_profile(f) for f in sorted(Path(args.dir).glob("*.safetensors"))}
+    if not profs:
+        print(f"no profiles in {args.dir}", file=sys.stderr)
+        return 1
+    print(summarize(profs, args.static_ratio))
+    curves = {t: p.quality_curve() for t, p in profs.items()}
+    for task, curve in curves.items():
+        print(format_curve(task, curve) if curve is not None else
+              f"task {task}: no quality curve (re-run `selectinfer profile` to measure it)")
+    if args.plot and any(c is not None for c in curves.values()):
+        from .lab.plots import quality_curve_plot
+        quality_curve_plot({t: c for t, c in curves.items() if c is not None}, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _text(args: argparse.Namespace, text: str) -> str:
+    """A string from the command line, escape sequences processed unless --no-escape."""
+    return text if args.no_escape else process_escapes(text)
+
+
+def _gen_config(args: argparse.Namespace, **over) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p,
+                            repetition_penalty=args.repetition_penalty, seed=args.seed,
+                            stop=[_text(args, s) for s in args.stop or []],
+                            use_chat_template=args.chat, **over)
+
+
+def result_json(rt, res, prompt: str | None = None) -> dict:
+    m = res.metrics
+    mem = rt.memory()
+    out = {"text": res.text, "finish_reason": res.finish_reason, "prompt_tokens": m.prompt_tokens,
+           "generated_tokens": m.generated_tokens, "tokens_per_second": m.tokens_per_second,
+           "prefill_tokens_per_second": m.prefill_tokens_per_second,
+           "time_to_first_token": m.time_to_first_token, "weight_bytes": mem["weight_bytes"],
+           "ffn_weight_bytes": mem["ffn_weight_bytes"], "other_weight_bytes": mem["other_weight_bytes"],
+           "process_rss_bytes": mem["process_rss_bytes"], "bytes_read": rt.bytes_read,
+           "load_seconds": rt.load_seconds, "task": rt.task, "load_ratio": rt.load_ratio,
+           "compute_ratio": rt.compute_ratio, "model_id": rt.model_id}
+    if prompt is not None:
+        out["prompt"] = prompt
+    return out
+
+
+def choice_json(rt, res, prompt: str | None = None) -> dict:
+    out = {"text": res.choice, "choice_index": res.index, "choices": res.choices,
+           "choice_logprobs": res.logprobs, "choice_logprobs_normalized": res.logprobs_normalized,
+           "choice_tokens": res.token_counts, "length_normalize": res.length_normalize,
+           "prompt_tokens": res.prompt_tokens, "prefill_seconds": res.prefill_seconds,
+           "seconds": res.seconds, "task": rt.task, "load_ratio": rt.load_ratio,
+           "compute_ratio": rt.compute_ratio, "model_id": rt.model_id}
+    if prompt is not None:
+        out["prompt"] = prompt
+    return out
+
+
+def parse_choices(arg: str | None) -> list[str]:
+    """``a,b,c`` -> ``['a', 'b', 'c']`` (whitespace around each choice dropped)."""
+    return [c.strip() for c in arg.split(",")] if arg else []
+
+
+def _choose(rt, args, prompt: str, choices: list[str], task: str = ""):
+    return rt.choose(prompt, choices, length_normalize=args.length_normalize,
+                     use_chat_template=args.chat, task=task)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .core.profiling.profiler import read_jsonl
+    rt = runtime_from_args(args, dense=args.dense)
+    choices = [_text(args, c) for c in parse_choices(args.choices)]
+    if args.prompts:
+        for rec in read_jsonl(args.prompts):
+            prompt = rec.get("prompt", rec.get("text"))
+            options = rec.get("choices", rec.get("options")) or choices
+            if options:
+                res = _choose(rt, args, prompt, options, rec.get("task", ""))
+                print(json.dumps(choice_json(rt, res, prompt)), flush=True)
+                continue
+            res = rt.generate(prompt, _gen_config(args), task=rec.get("task", ""))
+            print(json.dumps(result_json(rt, res, prompt)), flush=True)
+        return 0
+    if args.prompt is None:
+        print("selectinfer generate: give a prompt or --prompts FILE.jsonl", file=sys.stderr)
+        return 2
+    if choices:
+        res = _choose(rt, args, _text(args, args.prompt), choices)
+        if args.json:
+            print(json.dumps(choice_json(rt, res)))
+            return 0
+        print(res.choice)
+        for i, (c, lp, nl) in enumerate(zip(res.choices, res.logprobs, res.logprobs_normalized)):
+            mark = "*" if i == res.index else " "
+            print(f"{mark} {i}: {c!r} logprob {lp:.3f} (per token {nl:.3f})", file=sys.stderr)
+        print(f"--\nprompt_tokens={res.prompt_tokens} prefill={res.prefill_seconds:.3f}s "
+              f"total={res.seconds:.3f}s task={rt.task or '-'} gamma={rt.load_ratio} "
+              f"phi={rt.compute_ratio}", file=sys.stderr)
+        return 0
+    stream = None if args.json else (lambda s, n: print(s, end="", flush=True))
+    res = rt.generate(_text(args, args.prompt), _gen_config(args), on_text=stream)
+    if args.json:
+        print(json.dumps(result_json(rt, res)))
+    else:
+        m = res.metrics
+        mem = rt.memory()
+        print(f"\n--\nfinish={res.finish_reason} prompt_tokens={m.prompt_tokens} "
+              f"generated={m.generated_tokens} ttft={m.time_to_first_token:.3f}s "
+              f"decode={m.tokens_per_second:.2f} tok/s weights={mem['weight_bytes'] / 2**20:.1f} MiB "
+              f"(ffn {mem['ffn_weight_bytes'] / 2**20:.1f}) read={rt.bytes_read / 2**20:.1f} MiB "
+              f"load={rt.load_seconds:.2f}s task={rt.task or '-'} gamma={rt.load_ratio} "
+              f"phi={rt.compute_ratio}", file=sys.stderr)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .core.format.pack import verify
+    problems = verify(_model_path(args.model), log=_log)
+    for line in problems:
+        print(f"selectinfer verify: {line}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def cmd_make_random(args: argparse.Namespace) -> int:
+    import torch
+    from .core.format.pack import pack
+    from .lab.random_model import make_random_model
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    hf = make_random_model(args.preset, Path(args.out) / "hf", dtype=dtype, seed=args.seed)
+    pack(hf, Path(args.out) / "packed", model_id=f"random-{args.preset}", log=_log)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="selectinfer", description="SelectInfer: selective neuron "
+                                 "loading and computation for gated-MLP LLMs")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("pack", help="convert a Hugging Face checkpoint to the packed layout")
+    p.add_argument("hf_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--model-id")
+    p.add_argument("--dtype", help="float dtype of what is not int8 (default: the checkpoint's)")
+    p.add_argument("--weights", choices=WEIGHTS, default="float",
+                   help="int8: neuron records, attention and output layer as int8 rows with "
+                        "per-row scales; int8-ffn: only the neuron records")
+    p.set_defaults(func=cmd_pack)
+
+    p = sub.add_parser("profile", help="profile a task (`selectinfer profile show DIR` summarises)")
+    p.add_argument("model", nargs="?", help="packed model folder (default: embedded model)")
+    p.add_argument("--task", required=True, help="task name (the profile file is TASK.safetensors)")
+    p.add_argument("--data", required=True, nargs="+",
+                   help="prompt files: JSONL ({prompt, reference} or {text}) or plain text lines")
+    p.add_argument("--heldout", nargs="+", help="held-out prompt files for the quality curve "
+                   "(default: every 5th record of --data, not profiled)")
+    p.add_argument("--out", help="profiles folder (default profiles/<model-id>)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--normalize", default="none", choices=["none", "token"],
+                   help="token: every token weighs the same in the scores")
+    p.add_argument("--no-sensitivity", action="store_true",
+                   help="skip the per-layer sensitivity (needed by the sensitivity selections)")
+    p.add_argument("--no-curve", action="store_true", help="skip the quality curve")
+    p.add_argument("--curve-only", action="store_true",
+                   help="re-measure the quality curve of the existing profile (e.g. after adding tasks)")
+    p.add_argument("--selection", default="auto", help="selection the curve is measured with")
+    p.add_argument("--alpha", type=float, default=0.2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype")
+    p.add_argument("--threads", type=int)
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("generate", help="generate text (streams, then prints metrics)")
+    add_model_args(p)
+    p.add_argument("prompt", nargs="?")
+    p.add_argument("--prompts", help="JSONL file of prompts: one JSON result per line")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--dense", action="store_true", help="the unmodified transformers model")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="apply the chat template")
+    p.add_argument("--no-escape", action="store_true", help="keep \\n, \\t, \\xHH ... in the "
+                   "prompt and stop strings as typed (default: turn them into the characters)")
+    p.add_argument("--choices", help="comma-separated options: print the most likely one "
+                   "(JSONL records may carry their own \"choices\" list)")
+    p.add_argument("--length-normalize", action="store_true",
+                   help="rank choices by mean log-prob per token (default: total)")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("verify", help="check every neuron record and tensor of a packed model "
+                                      "against its checksums")
+    p.add_argument("model", nargs="?", help="packed model folder (default: the embedded model)")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("make-random", help="random-weight model with real shapes, packed")
+    p.add_argument("preset")
+    p.add_argument("out")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_random)
+
+    from .lab import bench, choice_eval, evaluate
+    bench.register(sub)
+    evaluate.register(sub)
+    choice_eval.register(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["profile", "show"]:
+        return cmd_profile_show(argv[2:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ParamError, ValueError, FileNotFoundError, KeyError) as e:
+        print(f"selectinfer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Running the model: the lean decoder (prefill, one token), generation and choices, metrics."""

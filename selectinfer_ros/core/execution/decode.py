@@ -1,0 +1,414 @@
+"""The lean forward: prefill and one-token decode over a transformers model's own weights.
+
+gpt-fast style: small functions over a preallocated (static) KV cache, no transformers module
+graph, masks or cache objects per step. Each decoder layer is a handful of tensor operations:
+norms, the attention projections (float or int8 modules as loaded), rotary embedding from
+precomputed tables, one ``scaled_dot_product_attention`` over the cached prefix (grouped-query
+attention by folding the query groups into the query axis), and the layer's MLP module as it is
+(a :class:`SelectiveMLP` keeps choosing neurons at prefill). The logits are computed for the last
+position only.
+
+Supports the families of :mod:`.architectures` (Llama, Qwen2, Gemma 3 text) as transformers
+builds them; :func:`unsupported` says why another model is left to the transformers forward.
+With the same weights the logits equal the transformers model's (tested to 1e-5 in float32).
+"""
+from __future__ import annotations
+
+import ctypes
+import inspect
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..format import int8
+from ..format.architectures import activation_name
+
+_HAS_RMS_NORM = hasattr(F, "rms_norm")
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why :class:`Decoder` cannot run ``model`` (None when it can)."""
+    cfg = model.config
+    if cfg.model_type not in ("llama", "qwen2", "gemma3_text"):
+        return f"model type {cfg.model_type!r}"
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return "attention logit soft-capping"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    params = [v for v in rope.values() if isinstance(v, dict)] or [rope]  # Gemma 3: per layer type
+    types = {p.get("rope_type", p.get("type")) for p in params}
+    if types & {"dynamic", "longrope"}:
+        return f"rotary scaling {sorted(t for t in types if t)} depends on the sequence length"
+    body = getattr(model, "model", None)
+    if body is None or not hasattr(body, "layers") or not hasattr(body, "rotary_emb"):
+        return "no decoder stack at model.model.layers"
+    return None
+
+
+class _Norm:
+    """RMS norm matching the module: Gemma ``(x_hat * (1 + w)).to(x)`` in float32, Llama/Qwen2
+    ``w * x_hat.to(x)``. ``weight`` is the effective float32 weight (``1 + w`` for Gemma)."""
+
+    def __init__(self, module: nn.Module, gemma: bool):
+        self.eps = float(getattr(module, "eps", None) or getattr(module, "variance_epsilon"))
+        self.gemma = gemma
+        self.w = module.weight
+        self.weight = (1.0 + module.weight.float() if gemma else module.weight.float()).contiguous()
+
+    def _hat(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        x = x.float()
+        if _HAS_RMS_NORM:
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y * w if w is not None else y
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemma:
+            return self._hat(x, self.weight).type_as(x)
+        return self.w * self._hat(x, None).to(x.dtype)
+
+
+@dataclass
+class _Layer:
+    input_norm: _Norm
+    q: nn.Module
+    k: nn.Module
+    v: nn.Module
+    o: nn.Module
+    q_norm: _Norm | None
+    k_norm: _Norm | None
+    post_attn_norm: _Norm | None  # Gemma: after attention, before the residual
+    pre_mlp_norm: _Norm
+    post_mlp_norm: _Norm | None  # Gemma: after the MLP, before the residual
+    mlp: nn.Module
+    rope: str  # key into the rotary tables
+    window: int | None  # sliding window (keys per query, itself included), None = full
+
+
+class Decoder:
+    """Prefill and decode for one request at a time over a static KV cache.
+
+    ``prefill(ids)`` starts a request and returns the logits after its last token;
+    ``decode_one_token(token)`` appends one token and returns the logits after it. Both are
+    ``[V]`` float tensors on the model's device. ``timings``, when a dict, collects seconds
+    spent per phase ("attention", "ffn", "output") in decode steps (synchronised on CUDA).
+    """
+
+    def __init__(self, model: nn.Module):
+        reason = unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the lean decoder does not run this model: {reason}")
+        cfg = model.config
+        body = model.model
+        self.model = model
+        self.gemma = cfg.model_type == "gemma3_text"
+        self.embed = body.embed_tokens
+        self.final_norm = _Norm(body.norm, self.gemma)
+        self.head = model.lm_head
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.groups = self.n_heads // self.n_kv
+        self.scaling = (cfg.query_pre_attn_scalar ** -0.5 if self.gemma
+                        else self.head_dim ** -0.5)
+        self.rotary = body.rotary_emb
+        self.rotary_local = getattr(body, "rotary_emb_local", None)  # transformers 4.x Gemma 3
+        self._rotary_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.layers = [self._layer(blk, cfg, i) for i, blk in enumerate(body.layers)]
+        self.device = self.embed.weight.device
+        self.dtype = self._compute_dtype()
+        self.capacity = 0
+        self.k_cache: list[torch.Tensor] = []  # per layer [n_kv, capacity, head_dim]
+        self.v_cache: list[torch.Tensor] = []
+        self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # [capacity, head_dim]
+        self.pos = 0  # tokens in the cache
+        self.timings: dict[str, float] | None = None
+        self._step = torch.empty(1, 1, dtype=torch.long, device=self.device)
+        reason = native_unsupported(self)
+        # int8 models on the CPU decode in one kernel call for all layers
+        self.native: NativeInt8Step | None = NativeInt8Step(self) if reason is None else None
+        self.path = "int8 decode kernel" if reason is None else f"torch ops ({reason})"
+
+    def _compute_dtype(self) -> torch.dtype:
+        """The activations' dtype: a float embedding's weights', an int8 embedding's ``dtype``."""
+        emb = self.embed
+        return emb.weight.dtype if isinstance(emb, nn.Embedding) else emb.dtype
+
+    def _layer(self, blk: nn.Module, cfg, i: int) -> _Layer:
+        att = blk.self_attn
+        g = self.gemma
+        window = getattr(att, "sliding_window", None)
+        if window is None and not g and getattr(cfg, "layer_types", None) and \
+                cfg.layer_types[i] == "sliding_attention":
+            window = cfg.sliding_window
+        if self._rotary_by_type:
+            rope = cfg.layer_types[i]
+        else:
+            rope = "local" if (window is not None and self.rotary_local is not None) else "global"
+        return _Layer(
+            input_norm=_Norm(blk.input_layernorm, g),
+            q=att.q_proj, k=att.k_proj, v=att.v_proj, o=att.o_proj,
+            q_norm=_Norm(att.q_norm, g) if hasattr(att, "q_norm") else None,
+            k_norm=_Norm(att.k_norm, g) if hasattr(att, "k_norm") else None,
+            post_attn_norm=_Norm(blk.post_attention_layernorm, g) if g else None,
+            pre_mlp_norm=_Norm(blk.pre_feedforward_layernorm if g else blk.post_attention_layernorm, g),
+            post_mlp_norm=_Norm(blk.post_feedforward_layernorm, g) if g else None,
+            mlp=blk.mlp, rope=rope, window=window)
+
+    # -- cache and rotary tables -------------------------------------------------------------
+    def reserve(self, n_tokens: int) -> None:
+        """Room for ``n_tokens`` positions: allocated once, reused while it is large enough."""
+        if n_tokens <= self.capacity:
+            return
+        cap = max(n_tokens, 2 * self.capacity)
+        shape = (self.n_kv, cap, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        pos = torch.arange(cap, device=self.device)[None]  # [1, cap]
+        probe = torch.empty(1, dtype=self.dtype, device=self.device)
+        self.tables = {}
+        for rope in {l.rope for l in self.layers}:
+            if self._rotary_by_type:
+                cos, sin = self.rotary(probe, pos, rope)
+            else:
+                cos, sin = (self.rotary_local if rope == "local" else self.rotary)(probe, pos)
+            half = self.head_dim // 2
+            # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]
+            signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+            self.tables[rope] = (cos[0].contiguous(), signed.contiguous())
+        self.capacity = cap
+        if self.native is not None:
+            self.native.stale = True
+
+    # -- forward --------------------------------------------------------------------------
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(x * cos, torch.roll(x, self.head_dim // 2, dims=-1), sin)
+
+    def _attention(self, l: _Layer, i: int, h: torch.Tensor, p: int) -> torch.Tensor:
+        """Self-attention of the ``T`` tokens ``h`` ``[1, T, H]`` at positions ``[p, p+T)``."""
+        T = h.shape[1]
+        nh, nkv, hd, g = self.n_heads, self.n_kv, self.head_dim, self.groups
+        q = l.q(h).view(T, nh, hd)
+        k = l.k(h).view(T, nkv, hd)
+        v = l.v(h).view(T, nkv, hd)
+        if l.q_norm is not None:
+            q, k = l.q_norm(q), l.k_norm(k)
+        cos, sin = self.tables[l.rope]
+        cos, sin = cos[p:p + T, None], sin[p:p + T, None]  # [T, 1, hd]
+        q = self._rope(q, cos, sin)
+        kc, vc = self.k_cache[i], self.v_cache[i]
+        kc[:, p:p + T] = self._rope(k, cos, sin).transpose(0, 1)
+        vc[:, p:p + T] = v.transpose(0, 1)
+        end = p + T
+        lo = 0 if l.window is None else max(0, end - l.window - T + 1)
+        keys, values = kc[:, lo:end], vc[:, lo:end]  # [nkv, S, hd]
+        if T == 1:
+            q = q.view(nkv, g, hd)  # the query groups of one kv head, as query rows
+            mask = None
+        else:
+            q = q.transpose(0, 1).reshape(nkv, g * T, hd)  # rows: group-major, then token
+            qpos = torch.arange(p, end, device=h.device)[:, None]
+            kpos = torch.arange(lo, end, device=h.device)[None]
+            mask = kpos <= qpos
+            if l.window is not None:
+                mask &= kpos > qpos - l.window
+            mask = mask.repeat(g, 1)  # [g*T, S]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+        out = out.view(nh, T, hd).transpose(0, 1).reshape(1, T, nh * hd)
+        return l.o(out)
+
+    def _layers(self, x: torch.Tensor, p: int) -> torch.Tensor:
+        timed = self.timings is not None and x.shape[1] == 1
+        if x.shape[1] == 1 and self.native is not None:
+            return self.native.step(x, p, self.timings if timed else None)
+        for i, l in enumerate(self.layers):
+            t0 = self._now() if timed else 0.0
+            a = self._attention(l, i, l.input_norm(x), p)
+            if l.post_attn_norm is not None:
+                a = l.post_attn_norm(a)
+            x = x + a
+            t1 = self._now() if timed else 0.0
+            m = l.mlp(l.pre_mlp_norm(x))
+            if l.post_mlp_norm is not None:
+                m = l.post_mlp_norm(m)
+            x = x + m
+            if timed:
+                t2 = self._now()
+                self.timings["attention"] += t1 - t0
+                self.timings["ffn"] += t2 - t1
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        timed = self.timings is not None
+        t0 = self._now() if timed else 0.0
+        logits = self.head(self.final_norm(x[:, -1]))[0]  # [V]
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if timed:
+            self.timings["output"] += self._now() - t0
+        return logits
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int] | torch.Tensor, extra: int = 1) -> torch.Tensor:
+        """Start a request with the prompt ``ids`` (room for ``extra`` more tokens); the logits
+        ``[V]`` after its last token."""
+        ids = torch.as_tensor(ids, device=self.device).view(1, -1)  # [1, T]
+        self.reserve(ids.shape[1] + extra)
+        self.pos = 0
+        x = self._layers(self.embed(ids), 0)
+        self.pos = ids.shape[1]
+        if self.native is not None:
+            self.native.stale = True  # selection may have moved neurons and changed the prefix
+        timed, self.timings = self.timings, None  # prefill is not a decode step
+        try:
+            return self._logits(x)
+        finally:
+            self.timings = timed
+
+    @torch.inference_mode()
+    def decode_one_token(self, token: int) -> torch.Tensor:
+        """Append ``token``; the logits ``[V]`` after it."""
+        if self.pos >= self.capacity:
+            raise RuntimeError(f"KV cache full ({self.capacity} positions): reserve more at prefill")
+        self._step[0, 0] = token
+        x = self._layers(self.embed(self._step), self.pos)
+        self.pos += 1
+        return self._logits(x)
+
+
+# -- int8 models: one kernel call per decode step --------------------------------------------
+class _Mat(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("n", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("ldw", ctypes.c_int64)]
+
+
+class _LayerC(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_void_p) for n in ("in_norm", "post_attn_norm", "pre_mlp_norm",
+                                                "post_mlp_norm", "q_norm", "k_norm")]
+                + [(n, _Mat) for n in ("q", "k", "v", "o")]
+                + [(n, ctypes.c_void_p) for n in ("k_cache", "v_cache", "cos", "sin")]
+                + [("window", ctypes.c_int64)]
+                + [(n, ctypes.c_void_p) for n in ("gu", "gu_scale", "down", "down_scale")]
+                + [("down_ld", ctypes.c_int64), ("n_active", ctypes.c_int64)])
+
+
+class _ModelC(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_int64) for n in ("hidden", "n_heads", "n_kv", "head_dim", "cap",
+                                               "max_k")]
+                + [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("act", ctypes.c_int)]
+                + [(n, ctypes.c_void_p) for n in ("h", "q", "kv", "att", "scores", "gu", "xq",
+                                                  "xd")])
+
+
+_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
+def native_unsupported(d: Decoder) -> str | None:
+    """Why the int8 decode kernel cannot run ``d``'s model (None when it can): it needs int8
+    attention projections without bias and int8 neuron slots in every layer, float32
+    activations on the CPU, and the compiled kernel."""
+    from ..selection.selective_mlp import SelectiveMLP
+    if d.device.type != "cpu" or d.dtype != torch.float32:
+        return "int8 decode kernel: float32 on the CPU only"
+    if activation_name(d.model.config) not in _ACTIVATIONS:
+        return f"activation {activation_name(d.model.config)!r}"
+    for l in d.layers:
+        if not all(isinstance(m, int8.Int8Linear) for m in (l.q, l.k, l.v, l.o)):
+            return "float attention projections"
+        if not isinstance(l.mlp, SelectiveMLP) or l.mlp.gu_scale is None:
+            return "float neuron slots"
+    if {l.input_norm.eps for l in d.layers} != {d.final_norm.eps}:
+        return "norms with different eps"
+    if int8.kernel() is None:
+        return int8.kernel_status()
+    return None
+
+
+class NativeInt8Step:
+    """The decoder layers of one decode step in the C kernel (``si_decode_layers``): the
+    pointers of weights, slots, cache and rotary tables are gathered once per request."""
+
+    def __init__(self, d: Decoder):
+        self.d = d
+        self.lib = int8.kernel()
+        self.fn = self.lib.si_decode_layers
+        self.fn.restype = ctypes.c_int
+        self.fn.argtypes = [ctypes.POINTER(_ModelC), ctypes.POINTER(_LayerC), ctypes.c_int64,
+                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                            ctypes.POINTER(ctypes.c_double)]
+        self.layers = (_LayerC * len(d.layers))()
+        self.model = _ModelC()
+        self.stale = True
+        self._keep: list[torch.Tensor] = []  # scratch the structures point into
+        self._timing = (ctypes.c_double * 2)()
+
+    def _refresh(self) -> None:
+        d, cfg = self.d, self.d.model.config
+        H, hd = cfg.hidden_size, d.head_dim
+        max_loaded = max(l.mlp.n_loaded for l in d.layers)
+        max_k = max(H, d.n_heads * hd, max_loaded)
+        f32 = dict(dtype=torch.float32)
+        h, x_q = torch.empty(max_k, **f32), torch.empty(max_k + 32, dtype=torch.int8)
+        bufs = dict(h=h, q=torch.empty(d.n_heads * hd, **f32), kv=torch.empty(2 * d.n_kv * hd, **f32),
+                    att=torch.empty(d.n_heads * hd, **f32), scores=torch.empty(d.capacity, **f32),
+                    gu=torch.empty(2 * max_loaded, **f32), xq=x_q,
+                    xd=torch.empty(max_k // 32 + 2, **f32))
+        self._keep = list(bufs.values())
+        m = self.model
+        m.hidden, m.n_heads, m.n_kv, m.head_dim = H, d.n_heads, d.n_kv, hd
+        m.cap, m.max_k, m.eps, m.scaling = d.capacity, max_k, d.final_norm.eps, d.scaling
+        m.act = _ACTIVATIONS[activation_name(cfg)]
+        for name, t in bufs.items():
+            setattr(m, name, t.data_ptr())
+        for i, (l, c) in enumerate(zip(d.layers, self.layers)):
+            for name in ("input_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm",
+                         "q_norm", "k_norm"):
+                norm = getattr(l, name)
+                setattr(c, "in_norm" if name == "input_norm" else name,
+                        norm.weight.data_ptr() if norm is not None else None)
+            for name in ("q", "k", "v", "o"):
+                lin = getattr(l, name)
+                w = lin.weight
+                setattr(c, name, _Mat(w.data_ptr(), lin.scale.data_ptr(), w.shape[0], w.shape[1],
+                                      w.stride(0)))
+            c.k_cache, c.v_cache = d.k_cache[i].data_ptr(), d.v_cache[i].data_ptr()
+            cos, sin = d.tables[l.rope]
+            c.cos, c.sin = cos.data_ptr(), sin.data_ptr()
+            c.window = l.window or 0
+            mlp = l.mlp
+            c.gu, c.gu_scale = mlp.gu.data_ptr(), mlp.gu_scale.data_ptr()
+            c.down, c.down_scale = mlp.down.data_ptr(), mlp.down_scale.data_ptr()
+            if mlp.gu.stride() != (2 * H, H, 1) or mlp.down.stride(1) != 1:
+                raise ValueError(f"layer {i}: neuron slots in an unexpected layout")
+            c.down_ld = mlp.down.stride(0)
+            c.n_active = mlp.n_loaded if mlp.state.prefill else mlp.n_active
+        self.stale = False
+
+    def step(self, x: torch.Tensor, pos: int, timings: dict[str, float] | None = None
+             ) -> torch.Tensor:
+        """``x`` ``[1, 1, H]`` float32 (the token's embedding) through every layer, in place;
+        ``timings`` (if given) gets the seconds of attention and FFN added."""
+        if self.stale:
+            self._refresh()
+        x = x.contiguous()
+        t = self._timing
+        t[0] = t[1] = 0.0
+        rc = self.fn(ctypes.byref(self.model), self.layers, len(self.layers), x.data_ptr(), pos,
+                     torch.get_num_threads(), t if timings is not None else None)
+        if rc != 0:
+            raise RuntimeError(f"int8 decode kernel failed at position {pos} (capacity "
+                               f"{self.d.capacity})")
+        if timings is not None:
+            timings["attention"] += t[0]
+            timings["ffn"] += t[1]
+        return x

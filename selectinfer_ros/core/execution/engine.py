@@ -1,0 +1,508 @@
+"""Generation engine: prefill, selection, decode loop, sampling, streaming, stop strings.
+
+Works on any transformers causal LM; with a :class:`SelectiveModel` it also drives the
+per-request neuron selection (prefill computes every loaded neuron and chooses the dynamic
+ones; decode computes only the active prefix).
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+from .decode import Decoder, unsupported
+from .metrics import RequestMetrics
+from ..selection.selective_mlp import SelectionState
+
+
+class ContextLengthError(ValueError):
+    """The prompt does not fit the context window."""
+
+
+class Canceled(Exception):
+    pass
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    use_chat_template: bool = False
+    compute_ratio: float | None = None  # None = the model's setting
+    ignore_eos: bool = False  # benchmarks: always produce max_new_tokens
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    finish_reason: str  # stop, length, canceled
+    token_ids: list[int]
+    metrics: RequestMetrics
+
+
+def encode(tok, prompt: str, use_chat_template: bool = False) -> list[int]:
+    """Token ids of ``prompt`` (as a user turn of the chat template, if asked)."""
+    if use_chat_template:
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                      add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tok(prompt)["input_ids"]
+
+
+MAX_CHOICES = 64
+# Logit elements one output-layer call of Engine.choose may produce (float32: 64 MiB).
+CHOICE_LOGITS_BUDGET = 16 * 2**20
+# Bytes the prompt's KV cache may take once repeated for the rows of one choices forward.
+CHOICE_CACHE_BUDGET = 256 * 2**20
+# A choice this many characters per context token is refused before tokenizing it.
+MAX_CHOICE_CHARS_PER_TOKEN = 100
+
+
+@dataclass
+class ChoiceResult:
+    """What :meth:`Engine.choose` found: the chosen index and every choice's scores."""
+
+    choices: list[str]
+    index: int
+    logprobs: list[float]  # total log-prob of each choice's tokens given the prompt
+    logprobs_normalized: list[float]  # that total / the choice's token count
+    token_counts: list[int]
+    length_normalize: bool  # which of the two ranked the choices
+    prompt_tokens: int
+    prefill_seconds: float
+    seconds: float  # the whole request: tokenizing, prefill, scoring
+
+    @property
+    def choice(self) -> str:
+        return self.choices[self.index]
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes of a DynamicCache's keys and values (0 when its layout is unknown)."""
+    layers = getattr(cache, "layers", None)
+    tensors = ([t for layer in layers for t in (getattr(layer, "keys", None),
+                                                 getattr(layer, "values", None))]
+               if layers is not None else
+               list(getattr(cache, "key_cache", [])) + list(getattr(cache, "value_cache", [])))
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def validate_choices(choices: list[str], engine: "Engine", prompt_tokens: int = 0,
+                     token_ids: list[list[int]] | None = None) -> None:
+    """None when ``choices`` can be scored after a prompt of ``prompt_tokens`` tokens; otherwise
+    ValueError with the reason: none given, more than MAX_CHOICES, an empty or duplicate choice,
+    or a choice that does not fit the context after the prompt."""
+    if not choices:
+        raise ValueError("no choices given")
+    if len(choices) > MAX_CHOICES:
+        raise ValueError(f"{len(choices)} choices; at most {MAX_CHOICES} are allowed")
+    room = engine.context_limit - prompt_tokens
+    seen: dict[str, int] = {}
+    for i, c in enumerate(choices):
+        if not c or not c.strip():
+            raise ValueError(f"choice {i} is empty")
+        if c in seen:
+            raise ValueError(f"choice {i} {c!r} repeats choice {seen[c]}")
+        seen[c] = i
+        if len(c) > engine.context_limit * MAX_CHOICE_CHARS_PER_TOKEN:
+            raise ValueError(f"choice {i} has {len(c)} characters; the context limit is "
+                             f"{engine.context_limit} tokens")
+        # without the ids: one token more for the space choose() may put in front
+        n = len(token_ids[i]) if token_ids is not None else len(engine.choice_ids(None, c)) + 1
+        if n > room:
+            raise ValueError(f"choice {i} has {n} tokens; after the prompt's {prompt_tokens} "
+                             f"tokens the context ({engine.context_limit}) leaves {max(room, 0)}")
+
+
+class Detokenizer:
+    """Text of a growing token sequence, one token at a time, decoding only a short window
+    (the tokens since the last completed piece of text), so a step costs O(1) in the output
+    length. The text equals decoding the whole sequence; an incomplete UTF-8 character waits
+    for the tokens that complete it."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # window start: context for the pieces that follow
+        self._read = 0  # tokens whose text is in self.text
+
+    def add(self, token: int) -> str:
+        """Append ``token``; returns the text it completes (may be empty)."""
+        self.ids.append(token)
+        dec = self.tokenizer.decode
+        before = dec(self.ids[self._prefix:self._read], skip_special_tokens=True)
+        after = dec(self.ids[self._prefix:], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        delta = after[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
+        return delta
+
+
+def _stop_hold(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` that could still grow into a stop string."""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    return hold
+
+
+class Engine:
+    """Streams completions from a causal LM, one request at a time."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, selective=None,
+                 context_limit: int | None = None, lean: bool = True):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.selective = selective
+        self.state: SelectionState | None = selective.state if selective is not None else None
+        cfg = model.config
+        limit = getattr(cfg, "max_position_embeddings", None) or 4096
+        self.context_limit = min(limit, context_limit) if context_limit else limit
+        self.device = next(model.parameters()).device
+        gen = getattr(model, "generation_config", None)
+        eos = set()
+        for src in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+            if isinstance(src, int):
+                eos.add(src)
+            elif src:
+                eos.update(src)
+        self.eos_ids = eos
+        self._lock = threading.Lock()
+        params = inspect.signature(model.forward).parameters
+        # transformers renamed past_key_values to cache (5.x); robots may run either.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        reason = unsupported(model) if lean else "lean decoder turned off"
+        # generation runs on the lean decoder where it can, else on the transformers forward
+        self.decoder: Decoder | None = Decoder(model) if reason is None else None
+        self.decode_path = (f"lean decoder, {self.decoder.path}" if reason is None
+                            else f"transformers forward ({reason})")
+
+    @classmethod
+    def from_selective(cls, sm, context_limit: int | None = None) -> "Engine":
+        return cls(sm.model, sm.tokenizer, sm, context_limit)
+
+    def encode(self, prompt: str, use_chat_template: bool = False) -> list[int]:
+        return encode(self.tokenizer, prompt, use_chat_template)
+
+    def check_prompt(self, prompt_tokens: int) -> None:
+        if prompt_tokens == 0:
+            raise ValueError("empty prompt")
+        if prompt_tokens >= self.context_limit:
+            raise ContextLengthError(f"prompt has {prompt_tokens} tokens; the context limit is "
+                                     f"{self.context_limit} (prompt + at least one new token)")
+
+    @torch.inference_mode()
+    def generate(self, prompt: str | list[int], config: GenerationConfig | None = None,
+                 on_text: Callable[[str, int], None] | None = None,
+                 cancel: Callable[[], bool] | None = None) -> GenerationResult:
+        """Generate a completion; ``on_text(delta, tokens)`` gets each new piece of text and the
+        number of tokens generated so far; ``cancel`` is polled before every token (a canceled
+        request returns exactly the text streamed until then)."""
+        config = config or GenerationConfig()
+        config.validate()
+        with self._lock:
+            return self._generate(prompt, config, on_text, cancel)
+
+    def _generate(self, prompt, config, on_text, cancel) -> GenerationResult:
+        t0 = time.perf_counter()
+        ids = prompt if isinstance(prompt, list) else self.encode(prompt, config.use_chat_template)
+        self.check_prompt(len(ids))
+        max_new = min(config.max_new_tokens, self.context_limit - len(ids))
+        metrics = RequestMetrics(prompt_tokens=len(ids))
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(config.seed if config.seed is not None and config.seed >= 0
+                        else int(time.time_ns() % (2**63)))
+        sm = self.selective
+        if sm is not None and config.compute_ratio is not None and config.compute_ratio != sm.compute_ratio:
+            restore = sm.compute_ratio
+            sm.set_compute_ratio(config.compute_ratio)
+        else:
+            restore = None
+        try:
+            return self._run(ids, config, max_new, metrics, gen, on_text, cancel, t0)
+        finally:
+            if restore is not None:
+                sm.set_compute_ratio(restore)
+
+    def _start(self, input_ids: torch.Tensor) -> None:
+        """Mark the next forward as a request's prefill (selection runs there)."""
+        if self.state is not None:
+            bos = self.tokenizer.bos_token_id
+            self.state.start_prefill((input_ids[0] != bos).float() if bos is not None else None)
+
+    def _end_prefill(self, metrics: RequestMetrics | None = None) -> None:
+        if self.state is not None:
+            self.state.prefill = False
+            if metrics is not None:
+                metrics.selection_seconds = self.state.select_seconds
+
+    def _forward_fns(self, input_ids: torch.Tensor, max_new: int):
+        """``(prefill() -> logits [V], decode_one_token(token) -> logits [V])`` of one request."""
+        if self.decoder is not None:
+            d = self.decoder
+            return (lambda: d.prefill(input_ids, extra=max_new)), d.decode_one_token
+        kw = {self._cache_kw: DynamicCache(config=self.model.config), "use_cache": True}
+        step = torch.empty(1, 1, dtype=torch.long, device=self.device)
+
+        def prefill() -> torch.Tensor:
+            return self.model(input_ids, logits_to_keep=1, **kw).logits[0, -1]
+
+        def decode_one_token(token: int) -> torch.Tensor:
+            step[0, 0] = token
+            return self.model(step, **kw).logits[0, -1]
+        return prefill, decode_one_token
+
+    def _run(self, ids, config, max_new, metrics, gen, on_text, cancel, t0) -> GenerationResult:
+        input_ids = torch.tensor([ids], device=self.device)  # [1, T]
+        prefill, decode_one_token = self._forward_fns(input_ids, max_new)
+        self._start(input_ids)
+        greedy = config.temperature == 0 and config.repetition_penalty == 1.0
+        history = None
+        if not greedy:
+            history = torch.zeros(self.model.config.vocab_size, dtype=torch.bool)
+            history[torch.tensor(ids)] = True
+        detok = Detokenizer(self.tokenizer)
+        new_ids = detok.ids
+        emitted = 0
+        text = ""
+        finish = "length"
+        stops = [s for s in config.stop if s]
+        try:
+            if cancel is not None and cancel():
+                raise Canceled
+            logits = prefill()
+            tok = int(torch.argmax(logits)) if greedy else self._sample(logits, config, history, gen)
+            t_first = time.perf_counter()
+            metrics.prefill_seconds = metrics.time_to_first_token = t_first - t0
+            self._end_prefill(metrics)
+            while True:
+                if tok in self.eos_ids and not config.ignore_eos:
+                    finish = "stop"
+                    break
+                delta = detok.add(tok)
+                if history is not None:
+                    history[tok] = True
+                text = detok.text
+                if stops and delta:
+                    start = max(0, len(text) - len(delta) - max(map(len, stops)))
+                    stop_at = min((i for i in (text.find(s, start) for s in stops) if i >= 0),
+                                  default=-1)
+                    if stop_at >= 0:
+                        text = text[:stop_at]
+                        finish = "stop"
+                        break
+                if len(new_ids) >= max_new:
+                    break
+                safe = len(text) - (_stop_hold(text, stops) if stops else 0)
+                if on_text is not None and safe > emitted:
+                    on_text(text[emitted:safe], len(new_ids))
+                    emitted = safe
+                if cancel is not None and cancel():
+                    raise Canceled
+                logits = decode_one_token(tok)
+                tok = int(torch.argmax(logits)) if greedy else self._sample(logits, config, history, gen)
+        except Canceled:
+            finish = "canceled"
+        finally:
+            if self.state is not None:
+                self.state.prefill = True
+        metrics.generated_tokens = len(new_ids)
+        if new_ids:
+            metrics.decode_seconds = time.perf_counter() - t0 - metrics.time_to_first_token
+        if finish == "canceled":
+            text = text[:emitted]  # what the client has seen; held-back text stays unsaid
+        if on_text is not None and len(text) > emitted and finish != "canceled":
+            on_text(text[emitted:], len(new_ids))
+        return GenerationResult(text, finish, list(new_ids), metrics)
+
+    @torch.inference_mode()
+    def score(self, prefix: list[int], continuation: list[int]) -> torch.Tensor:
+        """Logits ``[len(continuation), V]`` predicting each continuation token, computed as
+        generation would: selection at the prefix's prefill, then the decode path (active neurons
+        only) over the continuation, teacher-forced."""
+        with self._lock:
+            cache = DynamicCache(config=self.model.config)
+            kw = {self._cache_kw: cache, "use_cache": True}
+            ids = torch.tensor([prefix], device=self.device)
+            self._start(ids)
+            try:
+                first = self.model(ids, logits_to_keep=1, **kw).logits[0, -1:]
+                self._end_prefill()
+                if len(continuation) < 2:
+                    return first.float()
+                rest = torch.tensor([continuation[:-1]], device=self.device)
+                return torch.cat([first, self.model(rest, **kw).logits[0]]).float()
+            finally:
+                if self.state is not None:
+                    self.state.prefill = True
+
+    @torch.inference_mode()
+    def choose(self, prompt: str | list[int], choices: list[str], *,
+               length_normalize: bool = False, compute_ratio: float | None = None,
+               use_chat_template: bool = False,
+               cancel: Callable[[], bool] | None = None) -> ChoiceResult:
+        """The choice with the highest log-likelihood after ``prompt``.
+
+        One prefill of the prompt (selection as in :meth:`generate`), then every choice scored
+        teacher-forced through the decode path (active neurons only), all choices in one batched
+        forward over copies of the prompt's cache (right-padded: causal attention never lets a
+        choice token see the padding). Each choice is scored as the text that follows the prompt,
+        with a space between them when neither supplies whitespace. Raises :class:`Canceled` when
+        ``cancel()`` turns true, ValueError (see :func:`validate_choices`) for invalid choices.
+        """
+        with self._lock:
+            sm = self.selective
+            restore = None
+            if sm is not None and compute_ratio is not None and compute_ratio != sm.compute_ratio:
+                restore = sm.compute_ratio
+                sm.set_compute_ratio(compute_ratio)
+            try:
+                return self._choose(prompt, list(choices), length_normalize, use_chat_template,
+                                    cancel)
+            finally:
+                if restore is not None:
+                    sm.set_compute_ratio(restore)
+
+    def choice_ids(self, prompt_text: str | None, choice: str) -> list[int]:
+        """Token ids of ``choice`` as it follows ``prompt_text`` (see :meth:`choose`)."""
+        if prompt_text is not None and prompt_text[-1:].strip() and choice[:1].strip():
+            choice = " " + choice
+        return self.tokenizer(choice, add_special_tokens=False)["input_ids"]
+
+    def _choose(self, prompt, choices, length_normalize, use_chat_template, cancel) -> ChoiceResult:
+        t0 = time.perf_counter()
+        ids = prompt if isinstance(prompt, list) else self.encode(prompt, use_chat_template)
+        self.check_prompt(len(ids))
+        text = None if isinstance(prompt, list) else (
+            prompt if not use_chat_template else self.tokenizer.decode(ids))
+        conts = [self.choice_ids(text, c) for c in choices]
+        validate_choices(choices, self, len(ids), conts)
+        if cancel is not None and cancel():
+            raise Canceled
+        cache = DynamicCache(config=self.model.config)
+        kw = {self._cache_kw: cache, "use_cache": True}
+        input_ids = torch.tensor([ids], device=self.device)
+        self._start(input_ids)
+        try:
+            first = self.model(input_ids, logits_to_keep=1, **kw).logits[0, -1].float()
+            t_prefill = time.perf_counter() - t0
+            self._end_prefill()
+            first_lp = torch.log_softmax(first, dim=-1).cpu()
+            totals = [float(first_lp[c[0]]) for c in conts]
+            longest = max(len(c) for c in conts)
+            if longest > 1:
+                if cancel is not None and cancel():
+                    raise Canceled
+                rest = self._score_rest(cache, conts)
+                totals = [t + r for t, r in zip(totals, rest)]
+        finally:
+            if self.state is not None:
+                self.state.prefill = True
+        normalized = [t / len(c) for t, c in zip(totals, conts)]
+        key = normalized if length_normalize else totals
+        index = max(range(len(choices)), key=key.__getitem__)
+        return ChoiceResult(choices, index, totals, normalized, [len(c) for c in conts],
+                            length_normalize, len(ids), t_prefill, time.perf_counter() - t0)
+
+    def _score_rest(self, cache, conts: list[list[int]]) -> list[float]:
+        """Summed log-probs of every choice's tokens after its first, teacher-forced on the decode
+        path. Choices that share a prefix share its logits: the output layer (the 262k-token
+        matmul of the embedded model) runs once per distinct prefix, not once per position."""
+        prefixes: dict[tuple[int, ...], int] = {}  # prefix -> row of the logits after it
+        for c in conts:
+            for j in range(1, len(c)):
+                prefixes.setdefault(tuple(c[:j]), len(prefixes))
+        # rows: the longest prefixes; the shorter ones are their own prefixes
+        rows = [p for p in prefixes if not any(q[:len(p)] == p and len(q) > len(p) for q in prefixes)]
+        rows.sort(key=len, reverse=True)
+        where: dict[tuple[int, ...], tuple[int, int]] = {}
+        for r, p in enumerate(rows):
+            for j in range(1, len(p) + 1):
+                where.setdefault(p[:j], (r, j - 1))
+        order = list(prefixes)
+        vocab = self.model.config.vocab_size
+        per = max(1, CHOICE_LOGITS_BUDGET // vocab)  # prefixes per output-layer chunk
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        inp = torch.full((len(rows), len(rows[0])), pad, dtype=torch.long)
+        for r, p in enumerate(rows):
+            inp[r, :len(p)] = torch.tensor(p)
+        # the prompt's cache is repeated per row: rows in chunks that keep the copies bounded
+        per_rows = max(1, CHOICE_CACHE_BUDGET // max(1, _cache_bytes(cache)))
+        hidden = []
+        for lo in range(0, len(rows), per_rows):
+            n = min(per_rows, len(rows) - lo)
+            batch = cache if lo + n >= len(rows) else copy.deepcopy(cache)
+            batch.batch_repeat_interleave(n)
+            body = self.model.model(inp[lo:lo + n].to(self.device),
+                                    **{self._cache_kw: batch, "use_cache": True})
+            hidden.append(body.last_hidden_state)  # [n, L, H], final norm applied
+        hidden = torch.cat(hidden)
+        rr = torch.tensor([where[p][0] for p in order])
+        jj = torch.tensor([where[p][1] for p in order])
+        h = hidden[rr.to(self.device), jj.to(self.device)]  # [prefixes, H]
+        head = self.model.get_output_embeddings()
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        lps = []
+        for lo in range(0, len(order), per):
+            logits = head(h[lo:lo + per]).float()
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            lps.append(torch.log_softmax(logits, dim=-1).cpu())
+        lp = torch.cat(lps)  # [prefixes, V]
+        return [sum(float(lp[prefixes[tuple(c[:j])], c[j]]) for j in range(1, len(c)))
+                for c in conts]
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, config: GenerationConfig, history: torch.Tensor,
+                gen: torch.Generator) -> int:
+        logits = logits.float().cpu()  # [V]
+        if config.repetition_penalty != 1.0:
+            seen = logits[history]
+            logits[history] = torch.where(seen > 0, seen / config.repetition_penalty,
+                                          seen * config.repetition_penalty)
+        if config.temperature == 0:
+            return int(torch.argmax(logits))
+        logits = logits / config.temperature
+        if config.top_k > 0:
+            kth = torch.topk(logits, min(config.top_k, logits.numel())).values[-1]
+            logits[logits < kth] = float("-inf")
+        probs = torch.softmax(logits, dim=-1)
+        if config.top_p < 1.0:
+            sp, si = torch.sort(probs, descending=True)
+            cut = torch.cumsum(sp, 0) - sp > config.top_p
+            sp[cut] = 0
+            probs = torch.zeros_like(probs).scatter_(0, si, sp)
+        return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,160 @@
+"""int8 weights: per-row quantization, and the matrix products that read them.
+
+A weight row (a gate or up row, a down column, an attention or output row) is stored as int8
+with one float32 scale: ``w ~= q * scale``, ``|q| <= 127``. On CPUs the product runs in a small C
+kernel of this package (``kernels/int8_linear.c``: activations quantized per block of 32 like
+llama.cpp's Q8_0, int8 dot products, AVX2 where the CPU has it), compiled once with the system C
+compiler into the model cache and called through ctypes; the same library runs a whole decode
+step of an int8 model (:class:`.decode.NativeInt8Step`). Where it cannot be built (no compiler)
+and on accelerators, the fallback dequantizes the rows it needs and uses the float matmul.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SOURCE = Path(__file__).with_name("kernels") / "int8_linear.c"
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_error: str | None = None
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: ``(q [N, K] int8, scale [N] float32)`` with ``w ~= q * scale``."""
+    w = w.float()
+    scale = w.abs().amax(dim=-1).clamp_min(1e-30) / 127.0
+    q = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compile_flags() -> list[str]:
+    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        have = _cpu_flags()
+        if {"avx2", "fma"} <= have:
+            flags += ["-mavx2", "-mfma"]
+    else:
+        flags += ["-march=native"]
+    return flags
+
+
+def _build() -> ctypes.CDLL:
+    from .paths import cache_root
+    flags = _compile_flags()
+    cc = os.environ.get("CC", "cc")
+    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc] + flags).encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"int8_linear-{platform.machine()}-{tag}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        res = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-400:]}")
+        os.replace(tmp, out)
+    lib = ctypes.CDLL(str(out))
+    f = lib.si_linear_i8
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return lib
+
+
+def kernel() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (the reason is in :func:`kernel_status`)."""
+    global _lib, _lib_error
+    with _lock:
+        if _lib is None and _lib_error is None:
+            try:
+                _lib = _build()
+            except (OSError, RuntimeError) as e:
+                _lib_error = str(e)
+        return _lib
+
+
+def kernel_status() -> str:
+    """Which int8 path CPU products take: the compiled kernel, or the fallback and why."""
+    lib = kernel()
+    if lib is not None:
+        return "int8 kernel (" + ("avx2" if "-mavx2" in _compile_flags() else "generic C") + ")"
+    return f"float fallback ({_lib_error})"
+
+
+def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., K] @ (q [N, K] * scale [N, None]).T`` -> ``[..., N]`` in ``x``'s dtype. ``q`` may be
+    a column prefix of wider rows (row stride > K): the kernel reads only those bytes."""
+    K, N = q.shape[1], q.shape[0]
+    lib = kernel() if x.device.type == "cpu" else None
+    if lib is None or q.stride(1) != 1:
+        w = q.to(x.dtype)
+        y = nn.functional.linear(x, w)
+        return y * scale.to(x.dtype) if scale is not None else y
+    x2 = x.reshape(-1, K)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    y = torch.empty(x2.shape[0], N, dtype=torch.float32)
+    rc = lib.si_linear_i8(x2.data_ptr(), x2.shape[0], K, q.data_ptr(), N, q.stride(0),
+                          scale.data_ptr() if scale is not None else None, y.data_ptr(),
+                          torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("int8 kernel: out of memory for the quantized activations")
+    y = y.view(*x.shape[:-1], N)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+class Int8Linear(nn.Module):
+    """A bias-free linear layer over int8 rows and their scales (``weight`` ``[N, K]`` int8,
+    ``scale`` ``[N]`` float32)."""
+
+    def __init__(self, out_features: int, in_features: int, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8,
+                                                   device=device))
+        self.register_buffer("scale", torch.empty(out_features, dtype=torch.float32, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.scale)
+
+
+class Int8Embedding(nn.Module):
+    """Token embedding over int8 rows (``weight`` ``[V, H]`` int8, ``scale`` ``[V]`` float32);
+    ``embed_scale`` multiplies it as Gemma's scaled embedding does. A tied output layer shares
+    the rows (:meth:`as_linear`)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
+                 embed_scale: float | None = None, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx, self.embed_scale = padding_idx, embed_scale
+        self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8,
+                                                   device=device))
+        self.register_buffer("scale", torch.empty(num_embeddings, dtype=torch.float32, device=device))
+        self.dtype = torch.float32
+
+    def as_linear(self) -> Int8Linear:
+        head = Int8Linear(0, self.embedding_dim, self.weight.device)
+        head.out_features, head.weight, head.scale = self.num_embeddings, self.weight, self.scale
+        return head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [B, T] -> [B, T, H]
+        rows = self.weight[ids].to(self.dtype) * self.scale[ids].unsqueeze(-1).to(self.dtype)
+        return rows * self.embed_scale if self.embed_scale is not None else rows

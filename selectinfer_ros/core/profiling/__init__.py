@@ -1,0 +1,1 @@
+"""The offline profiler: neuron scores over task prompt sets and the quality curves."""

@@ -1,0 +1,1 @@
+"""Which neurons: task profiles, the selective loader (gamma) and the selective MLP (phi)."""

@@ -1,0 +1,481 @@
+"""Selective loading: build a model from a packed folder, reading only the selected neurons.
+
+The model skeleton is built on the meta device (no full-size FFN is ever allocated), the
+non-FFN tensors are read straight into their final tensors, and each layer's selected neuron
+records are read in coalesced runs through a small bounce buffer into compact slot buffers.
+Every byte read is counted.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..format.architectures import activation_name, architecture_for
+from ..format.int8 import Int8Embedding, Int8Linear, kernel_status
+from ..options import SELECTIONS, check_ratios
+from ..format.pack import (FFN_FILE, OTHER_FILE, Manifest, check_ffn_file, checksum_error, neuron_key,
+                   read_checksums, read_manifest, tensor_sum, word_sums)
+from .profiles import (ProfileCatalog, Selection, neuron_count, select_published, select_random,
+                       select_sensitivity, select_shared_sensitivity)
+from ..format.progress import progress
+from ..format.safetensors_io import CountingReader, FormatError, read_header
+from ..format.tokenizer import load_tokenizer
+from .selective_mlp import SelectionState, SelectiveMLP, Slots
+
+BOUNCE_BYTES = 8 << 20  # bounce buffer for coalesced neuron reads
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
+    return names[dtype]
+
+
+def build_skeleton(path: Path, dtype: torch.dtype):
+    """The transformers model of a packed folder on the meta device, and its config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(path)
+    architecture_for(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model, config
+
+
+def _int8_modules(model: nn.Module, tensors: dict, dtype: torch.dtype) -> None:
+    """Swap the linear layers (and the token embedding) whose weights the packed file holds as
+    int8 for int8 modules; a tied output layer shares the embedding's int8 rows."""
+    for name, info in tensors.items():
+        if info.dtype != torch.int8:
+            continue
+        path = name.removesuffix(".weight")
+        parent_name, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        n, k = info.shape
+        if isinstance(old, nn.Embedding):
+            scale = getattr(old, "scalar_embed_scale", None)
+            emb = Int8Embedding(n, k, old.padding_idx, scale)
+            emb.dtype = dtype
+            setattr(parent, attr, emb)
+        else:
+            setattr(parent, attr, Int8Linear(n, k))
+
+
+def _load_other(model: nn.Module, config, path: Path, dtype: torch.dtype,
+                device: torch.device, reader: CountingReader, manifest: Manifest,
+                sums: dict[str, torch.Tensor]) -> None:
+    """Read every non-FFN tensor into the skeleton (each checked against its checksum), tie
+    embeddings, rebuild computed buffers. int8 tensors and their scales keep their dtype."""
+    tensors, meta, _ = read_header(path / OTHER_FILE)
+    if meta.get("fingerprint") != manifest.fingerprint:
+        raise FormatError(f"{path / OTHER_FILE}: fingerprint {meta.get('fingerprint')!r} does not "
+                          f"match manifest {manifest.fingerprint!r} (file from another model)")
+    if manifest.int8_other:
+        _int8_modules(model, tensors, dtype)
+    state = {}
+    expected = {k: v for k, v in model.state_dict().items()}
+    for name, info in tensors.items():
+        if name not in expected:
+            raise FormatError(f"{path / OTHER_FILE}: unexpected tensor {name!r} for {config.model_type}")
+        if tuple(expected[name].shape) != info.shape:
+            raise FormatError(f"{path / OTHER_FILE}: {name} has shape {info.shape}, model needs "
+                              f"{tuple(expected[name].shape)}")
+        t = reader.read_tensor(info)
+        if name not in sums or not torch.equal(tensor_sum(t), sums[name]):
+            raise checksum_error(path / OTHER_FILE, f"tensor {name}")
+        keep = info.dtype == torch.int8 or expected[name].dtype == torch.float32 and (
+            name.endswith(".scale") and info.dtype == torch.float32)
+        state[name] = t.to(device=device) if keep else t.to(device=device, dtype=dtype)
+    missing = model.load_state_dict(state, strict=False, assign=True).missing_keys
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in tensors:
+        emb = model.get_input_embeddings()
+        if isinstance(emb, Int8Embedding):
+            model.lm_head = emb.as_linear()
+            missing = [m for m in missing if m not in ("lm_head.weight", "lm_head.scale")]
+        else:
+            model.lm_head.weight = emb.weight
+            missing = [m for m in missing if m != "lm_head.weight"]
+    missing = [m for m in missing if ".mlp." not in m]
+    if missing:
+        raise FormatError(f"{path / OTHER_FILE}: missing tensors {missing[:5]}")
+    _rebuild_computed_buffers(model, config, device)
+
+
+def _rebuild_computed_buffers(model: nn.Module, config, device: torch.device) -> None:
+    """Non-persistent buffers (rotary frequencies, embedding scale) are not in any file."""
+    for name, module in list(model.named_modules()):
+        if "RotaryEmbedding" in type(module).__name__:
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            with torch.device("cpu"):
+                fresh = type(module)(config=config)
+            setattr(parent, name.rsplit(".", 1)[-1], fresh.to(device))
+        elif hasattr(module, "scalar_embed_scale"):
+            module.embed_scale = torch.tensor(module.scalar_embed_scale, device=device)
+    left = [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise RuntimeError(f"buffers not materialised: {left[:5]}")
+
+
+def _read_neurons(reader: CountingReader, start: int, record_bytes: int, ids: torch.Tensor,
+                  sink: Callable[[torch.Tensor, torch.Tensor], None], sums: torch.Tensor,
+                  what: str) -> int:
+    """Read the records ``ids`` (any order) in coalesced runs of consecutive ids, several runs
+    per bounce-buffer fill; each fill is checked against the record checksums ``sums`` ``[I]``
+    in one pass, then ``sink(positions, records)`` receives positions into ``ids`` and the
+    records' bytes ``[n, record_bytes]``. Returns records read."""
+    if ids.numel() == 0:
+        return 0
+    order = torch.argsort(ids)
+    sorted_ids = ids[order]
+    idx = sorted_ids.tolist()
+    per_chunk = max(1, BOUNCE_BYTES // record_bytes)
+    bounce = torch.empty(min(per_chunk, len(idx)) * record_bytes, dtype=torch.uint8)
+    i = 0
+    while i < len(idx):
+        end = min(len(idx), i + per_chunk)  # one fill: records idx[i:end], run by run
+        j = i
+        while j < end:
+            k = j + 1
+            while k < end and idx[k] == idx[k - 1] + 1:
+                k += 1
+            reader.read_into(start + idx[j] * record_bytes,
+                             bounce[(j - i) * record_bytes:(k - i) * record_bytes])
+            j = k
+        n = end - i
+        buf = bounce[: n * record_bytes]
+        bad = word_sums(buf.view(n, record_bytes)) != sums.index_select(0, sorted_ids[i:end])
+        if bool(bad.any()):
+            first = idx[i + int(torch.nonzero(bad)[0])]
+            raise checksum_error(reader.path, f"{what}, neuron record {first}")
+        sink(order[i:end], buf.view(n, record_bytes))
+        i = end
+    return len(idx)
+
+
+@dataclass
+class SwitchReport:
+    task: str
+    seconds: float
+    bytes_read: int
+    neurons_read: int
+    neurons_dropped: int
+
+
+class SelectiveModel:
+    """A transformers causal LM whose FFNs hold only the selected neurons of a packed model."""
+
+    def __init__(self, packed_dir: str | Path, profiles_dir: str | Path | None = None,
+                 task: str | None = None, load_ratio: float = 1.0, static_ratio: float | None = None,
+                 compute_ratio: float | None = None, alpha: float = 0.2,
+                 device: str = "cpu", dtype: str | torch.dtype | None = None,
+                 dense_layers: int = 0, selection: str = "auto",
+                 memory_budget_bytes: int | None = None, log: Callable[[str], None] = lambda s: None):
+        t0 = time.perf_counter()
+        self.path = Path(packed_dir)
+        self.manifest = read_manifest(self.path)
+        self.ffn_tensors = check_ffn_file(self.manifest)
+        self.sums = read_checksums(self.manifest)
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.manifest.dtype)
+        self.dense_layers = dense_layers
+        self.log = log
+        self.catalog = ProfileCatalog(profiles_dir, self.manifest) if profiles_dir else None
+        if selection == "auto":  # shared per-layer budgets when the profiles carry the measurement:
+            # cross-task secondary neurons hold up best on prompts phrased unlike the profiling set
+            has = self.catalog is not None and all("sensitivity" in p.extra
+                                                   for p in self.catalog.profiles.values())
+            selection = "shared-sensitivity" if has else "published"
+        if selection not in SELECTIONS:
+            raise ValueError(f"unknown selection strategy {selection!r}; choose from {', '.join(SELECTIONS)}")
+        self.selection_strategy = selection
+        if memory_budget_bytes is not None:
+            load_ratio = load_ratio_for_budget(self.manifest, self.dtype, memory_budget_bytes,
+                                               dense_layers)
+            log(f"[load] memory budget {memory_budget_bytes / 2**30:.2f} GiB -> load_ratio {load_ratio:.3f}")
+        static_ratio = load_ratio if static_ratio is None else static_ratio
+        compute_ratio = load_ratio if compute_ratio is None else compute_ratio
+        check_ratios(load_ratio, static_ratio, compute_ratio)
+        if load_ratio < 1.0 and self.catalog is None and selection != "random":
+            raise ValueError("load_ratio < 1 needs a profiles folder to choose neurons")
+        self.load_ratio, self.static_ratio, self.compute_ratio = load_ratio, static_ratio, compute_ratio
+        self.task = task if task else (self.catalog.tasks[0] if self.catalog else "")
+        if self.catalog is not None:
+            self.catalog.get(self.task)
+
+        self.model, self.config = build_skeleton(self.path, self.dtype)
+        self.state = SelectionState()
+        self.state.alpha = alpha
+        act = activation_name(self.config)
+        self.mlps: list[SelectiveMLP] = []
+        for layer, block in enumerate(self.model.model.layers):
+            block.mlp = SelectiveMLP(self.manifest.hidden_size, act, self.state, layer,
+                                     self.dtype, self.device)
+            self.mlps.append(block.mlp)
+        with CountingReader(self.path / OTHER_FILE) as r:
+            _load_other(self.model, self.config, self.path, self.dtype, self.device, r, self.manifest,
+                        self.sums)
+            self.bytes_read = r.bytes_read
+        sel = self._selection(self.task)
+        with CountingReader(self.path / FFN_FILE) as r:
+            for layer in progress(range(self.manifest.num_layers), desc="load FFN neurons"):
+                self._load_layer(r, layer, sel.neurons[layer], sel.n_static[layer])
+            self.bytes_read += r.bytes_read
+        self.model.eval()
+        self.set_compute_ratio(compute_ratio)
+        if self.manifest.int8_ffn:  # compiles the kernel now (once per machine), not at a goal
+            how = (kernel_status() if self.device.type == "cpu"
+                   else f"rows dequantized for float products on {self.device}")
+            log(f"[load] int8 weights: {how}")
+        self.load_seconds = time.perf_counter() - t0
+        log(f"[load] {self.manifest.model_id} task={self.task or '-'} gamma={load_ratio} "
+            f"phi={compute_ratio}: {self.bytes_read / 2**20:.1f} MiB read in {self.load_seconds:.2f} s")
+
+    # -- selection -------------------------------------------------------------------------
+    def _selection(self, task: str) -> Selection:
+        m = self.manifest
+        if self.selection_strategy == "random":
+            sel = select_random(m.num_layers, m.intermediate_size, self.load_ratio, self.static_ratio)
+        elif self.catalog is None:
+            ids = torch.arange(m.intermediate_size)
+            sel = Selection([ids] * m.num_layers, [neuron_count(self.static_ratio, m.intermediate_size)]
+                            * m.num_layers)
+        elif self.selection_strategy == "published":
+            sel = select_published(self.catalog.get(task).scores, self.catalog.secondary_scores(),
+                                   self.load_ratio, self.static_ratio)
+        elif self.selection_strategy == "sensitivity":
+            sel = select_sensitivity(self.catalog.get(task), self.load_ratio, self.static_ratio)
+        elif self.selection_strategy == "shared-sensitivity":
+            sel = select_shared_sensitivity(self.catalog.get(task), list(self.catalog.profiles.values()),
+                                            self.load_ratio, self.static_ratio)
+        else:
+            raise ValueError(f"unknown selection strategy {self.selection_strategy!r}; "
+                             f"choose from {', '.join(SELECTIONS)}")
+        return self._with_dense_layers(sel)
+
+    def _with_dense_layers(self, sel: Selection) -> Selection:
+        """The first and last ``dense_layers`` layers keep every neuron (loaded and computed)."""
+        L, I, d = self.manifest.num_layers, self.manifest.intermediate_size, self.dense_layers
+        neurons, n_static = list(sel.neurons), list(sel.n_static)
+        for layer in range(L):
+            if layer < d or layer >= L - d:
+                rest = torch.ones(I, dtype=torch.bool)
+                rest[neurons[layer]] = False
+                neurons[layer] = torch.cat([neurons[layer], torch.nonzero(rest).flatten()])
+        return Selection(neurons, n_static)
+
+    # -- loading ---------------------------------------------------------------------------
+    def _empty_slots(self, k: int) -> Slots:
+        return Slots.empty(k, self.manifest.hidden_size, self.dtype, self.manifest.int8_ffn,
+                           self.device)
+
+    def _load_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor, n_static: int) -> int:
+        """Fill layer ``layer`` with neurons ``ids`` (slot order) read from disk. Returns records read."""
+        slots = self._empty_slots(ids.numel())
+        got = self._read_into(reader, layer, ids, torch.arange(ids.numel()), slots)
+        mlp = self.mlps[layer]
+        mlp.dense = layer < self.dense_layers or layer >= self.manifest.num_layers - self.dense_layers
+        mlp.set_slots(slots, ids.to(self.device), n_static)
+        return got
+
+    def _read_into(self, reader: CountingReader, layer: int, ids: torch.Tensor, where: torch.Tensor,
+                   slots: Slots) -> int:
+        """Read neuron records ``ids`` into slots ``where`` of ``slots``. Returns records read."""
+        def sink(positions: torch.Tensor, raw: torch.Tensor) -> None:  # raw [n, record_bytes]
+            vals, scales = self.manifest.decode_records(raw)
+            slots.put(where[positions].to(self.device), vals.to(self.device),
+                      None if scales is None else scales.to(self.device))
+
+        info = self.ffn_tensors[neuron_key(layer)]
+        return _read_neurons(reader, info.start, self.manifest.record_bytes, ids, sink,
+                             self.sums[neuron_key(layer)], f"layer {layer}")
+
+    def _stage_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor
+                     ) -> tuple[torch.Tensor, Slots]:
+        """Read the neurons of ``ids`` that are not resident in layer ``layer``: (their ids in
+        ``ids`` order, their records as slots ``0..n-1``). Changes nothing in the model."""
+        mlp = self.mlps[layer]
+        resident = torch.zeros(self.manifest.intermediate_size, dtype=torch.bool)
+        resident[mlp.slot_ids.cpu()] = True
+        incoming = ids[~resident[ids]]
+        staged = self._empty_slots(incoming.numel())
+        self._read_into(reader, layer, incoming, torch.arange(incoming.numel()), staged)
+        return incoming, staged
+
+    def _apply_layer(self, layer: int, ids: torch.Tensor, n_static: int, incoming: torch.Tensor,
+                     staged: Slots) -> None:
+        """Make layer ``layer`` hold ``ids`` (base neurons ``ids[:n_static]`` in the static prefix)
+        from its resident neurons and the staged records of ``incoming``; no I/O."""
+        mlp = self.mlps[layer]
+        inter = self.manifest.intermediate_size
+        dev = self.device
+        every = torch.arange(incoming.numel(), device=dev)
+        where = torch.full((inter,), -1, dtype=torch.long)
+        where[mlp.slot_ids.cpu()] = torch.arange(mlp.n_loaded)
+        if mlp.n_loaded != ids.numel():  # per-layer budgets differ between tasks: new buffers
+            old = where[ids]
+            hit = old >= 0
+            slots = self._empty_slots(ids.numel())
+            slots.copy(torch.nonzero(hit).flatten().to(dev), mlp.slots, old[hit].to(dev))
+            miss = torch.nonzero(~hit).flatten().to(dev)  # ids[~hit] == incoming, same order
+            slots.copy(miss, staged, every)
+            mlp.set_slots(slots, ids.to(dev), n_static)
+            return
+        wanted = torch.zeros(inter, dtype=torch.bool)
+        wanted[ids] = True
+        free = torch.nonzero(~wanted[mlp.slot_ids.cpu()]).flatten().to(dev)  # dropped neurons' slots
+        mlp.slots.copy(free, staged, every)
+        mlp.slot_ids.index_copy_(0, free, incoming.to(dev))
+        where[mlp.slot_ids.cpu()] = torch.arange(mlp.n_loaded)
+        mlp.n_static = n_static
+        mlp._swap_in(where[ids[:n_static]].to(dev), 0, n_static)
+
+    def switch_task(self, task: str) -> SwitchReport:
+        """Load another task's base neurons in place, atomically: first every neuron not resident
+        is read (and checked) for all layers, then, with no I/O left to fail, the layers take them
+        into the slots of the dropped ones and move the new base neurons into the static prefix.
+        A read error leaves the model and its task as they were."""
+        if self.catalog is None:
+            raise ValueError("no profiles folder: cannot switch task")
+        t0 = time.perf_counter()
+        self.catalog.reload(task)
+        sel = self._selection(task)
+        with CountingReader(self.path / FFN_FILE) as r:
+            staged = [self._stage_layer(r, layer, sel.neurons[layer])
+                      for layer in range(self.manifest.num_layers)]
+            nbytes = r.bytes_read
+        dropped = sum(int((~torch.isin(m.slot_ids.cpu(), sel.neurons[layer])).sum())
+                      for layer, m in enumerate(self.mlps))
+        for layer, (incoming, rec) in enumerate(staged):
+            self._apply_layer(layer, sel.neurons[layer], sel.n_static[layer], incoming, rec)
+        self.task = task
+        self.set_compute_ratio(self.compute_ratio)
+        read = sum(inc.numel() for inc, _ in staged)
+        return SwitchReport(task, time.perf_counter() - t0, nbytes, read, dropped)
+
+    # -- runtime knobs -----------------------------------------------------------------------
+    def set_compute_ratio(self, phi: float) -> None:
+        """Neurons computed per decode step: phi * I per layer, or, where layers hold different
+        numbers of neurons (per-layer budgets), the same share phi / gamma of each layer's."""
+        check_ratios(self.load_ratio, self.static_ratio, phi)
+        self.compute_ratio = phi
+        uniform = len({m.n_loaded for m in self.mlps}) == 1
+        for mlp in self.mlps:
+            if uniform:
+                mlp.set_active(neuron_count(phi, self.manifest.intermediate_size))
+            else:
+                mlp.set_active(int(mlp.n_loaded * phi / self.load_ratio + 0.5))
+
+    def active_neuron_ids(self) -> list[torch.Tensor]:
+        """Per layer, the neuron ids computed in decode (after the last prefill's selection)."""
+        return [m.slot_ids[: m.n_active].cpu() for m in self.mlps]
+
+    def loaded_neuron_ids(self) -> list[torch.Tensor]:
+        return [m.slot_ids.cpu() for m in self.mlps]
+
+    def weight_bytes(self) -> dict[str, int]:
+        ffn = sum(m.weight_bytes() for m in self.mlps)
+        seen, other = set(), 0
+        int8 = [t for mod in self.model.modules() if isinstance(mod, (Int8Linear, Int8Embedding))
+                for t in mod.buffers()]
+        for t in list(self.model.parameters()) + int8:
+            if id(t) not in seen:
+                seen.add(id(t))
+                other += t.numel() * t.element_size()
+        return {"ffn": ffn, "other": other, "total": ffn + other}
+
+    @property
+    def tokenizer(self):
+        """The packed folder's tokenizer (loaded on first use; a caller may set one it holds)."""
+        if not hasattr(self, "_tokenizer"):
+            self._tokenizer = load_tokenizer(self.path)
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tok) -> None:
+        self._tokenizer = tok
+
+
+def dense_layer_count(num_layers: int, dense_layers: int) -> int:
+    """Layers kept dense by ``dense_layers`` (the first and the last that many)."""
+    return sum(1 for layer in range(num_layers)
+               if layer < dense_layers or layer >= num_layers - dense_layers)
+
+
+def other_bytes_estimate(m: Manifest, dtype: torch.dtype) -> int:
+    """Resident bytes of the non-FFN tensors of a packed model in ``dtype`` (int8 rows and their
+    scales as stored)."""
+    tensors, _, _ = read_header(m.path / OTHER_FILE)
+    return sum(t.nbytes if t.dtype == torch.int8 or name.endswith(".scale") else
+               t.nbytes // t.dtype.itemsize * dtype.itemsize for name, t in tensors.items())
+
+
+def neuron_bytes(m: Manifest, dtype: torch.dtype) -> int:
+    """Resident bytes of one neuron of one layer (int8 rows and scales, or three rows in ``dtype``)."""
+    return m.record_bytes if m.int8_ffn else 3 * m.hidden_size * dtype.itemsize
+
+
+def load_ratio_for_budget(m: Manifest, dtype: torch.dtype, budget: int, dense_layers: int = 0) -> float:
+    """The largest load_ratio whose resident weights fit ``budget`` bytes, counting the layers
+    that ``dense_layers`` keeps whole (the ratio applies to the other layers)."""
+    other = other_bytes_estimate(m, dtype)
+    neuron = neuron_bytes(m, dtype)
+    dense = dense_layer_count(m.num_layers, dense_layers)
+    fixed = other + dense * m.intermediate_size * neuron
+    sparse = m.num_layers - dense
+    if sparse == 0:
+        if fixed > budget:
+            raise ValueError(f"memory budget {budget / 2**30:.3f} GiB is below the dense model's "
+                             f"{fixed / 2**30:.3f} GiB (dense_layers={dense_layers} keeps every layer)")
+        return 1.0
+    n = min(m.intermediate_size, max(0, (budget - fixed) // (sparse * neuron)))
+    if n < 0.05 * m.intermediate_size:
+        raise ValueError(f"memory budget {budget / 2**30:.3f} GiB leaves no room for the FFN: non-FFN "
+                         f"weights{' and dense layers' if dense else ''} alone take "
+                         f"{fixed / 2**30:.3f} GiB")
+    return n / m.intermediate_size
+
+
+
+def load_dense(packed_dir: str | Path, dtype: str | torch.dtype | None = None,
+               device: str = "cpu") -> tuple[nn.Module, int]:
+    """The unmodified transformers model rebuilt from a packed folder: (model, bytes read)."""
+    path = Path(packed_dir)
+    m = read_manifest(path)
+    tensors = check_ffn_file(m)
+    dt = resolve_dtype(dtype, m.dtype)
+    dev = torch.device(device)
+    model, config = build_skeleton(path, dt)
+    arch = architecture_for(config)
+    sums = read_checksums(m)
+    with CountingReader(path / OTHER_FILE) as r:
+        _load_other(model, config, path, dt, dev, r, m, sums)
+        nbytes = r.bytes_read
+    with CountingReader(path / FFN_FILE) as r:
+        for layer, block in enumerate(progress(model.model.layers, desc="load dense FFN")):
+            raw = r.read_tensor(tensors[neuron_key(layer)])
+            if not torch.equal(word_sums(raw.view(torch.uint8).view(m.intermediate_size, -1)),
+                               sums[neuron_key(layer)]):
+                raise checksum_error(path / FFN_FILE, f"layer {layer}")
+            vals, scales = m.decode_records(raw.view(torch.uint8).view(m.intermediate_size, -1))
+            rec = (vals.float() * scales[..., None] if scales is not None else vals).to(
+                device=dev, dtype=dt)  # [I, 3, H]
+            del raw, vals
+            block.mlp.gate_proj.weight = nn.Parameter(rec[:, 0].contiguous(), requires_grad=False)
+            block.mlp.up_proj.weight = nn.Parameter(rec[:, 1].contiguous(), requires_grad=False)
+            block.mlp.down_proj.weight = nn.Parameter(rec[:, 2].t().contiguous(), requires_grad=False)
+            del rec
+        nbytes += r.bytes_read
+    assert arch is not None
+    model.eval()
+    return model, nbytes

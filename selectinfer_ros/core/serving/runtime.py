@@ -1,0 +1,182 @@
+"""One loaded model ready to serve: selective (or dense) model + engine + counters.
+
+The CLI and the ROS nodes both go through :class:`Runtime`; it holds no ROS types.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..execution.engine import ChoiceResult, Engine, GenerationConfig, GenerationResult
+from ..selection.loader import SelectiveModel, SwitchReport, load_dense, load_ratio_for_budget, resolve_dtype
+from ..execution.metrics import (RunningStats, cuda_allocated_bytes, peak_rss_bytes, process_rss_bytes,
+                      system_available_bytes)
+from ..options import ModelOptions
+from ..format.pack import read_manifest
+from ..selection.profiles import LoadRatioChoice, ProfileCatalog, choose_load_ratio
+from ..format.paths import default_profiles_dir
+from ..format.tokenizer import load_tokenizer
+
+def model_path(opts: ModelOptions, log: Callable[[str], None] = lambda s: None) -> str:
+    """The packed model folder of ``opts`` (the embedded model, prepared once, when empty)."""
+    if opts.model:
+        return opts.model
+    from ..format.default_model import ensure_packed
+    return str(ensure_packed(log=log))
+
+
+class Runtime:
+    """A served model: generate, switch task, report memory."""
+
+    def __init__(self, opts: ModelOptions, log: Callable[[str], None] = lambda s: None,
+                 dense: bool = False):
+        """Load ``opts.model`` (``dense``: the unmodified transformers model, for comparison)."""
+        if opts.num_threads:
+            torch.set_num_threads(opts.num_threads)
+        self.opts = opts
+        path = model_path(opts, log)
+        manifest = read_manifest(path)
+        self.model_id = manifest.model_id
+        self.stats = RunningStats()
+        self.switches = 0
+        self.last_switch: SwitchReport | None = None
+        self._lock = threading.Lock()
+        context_limit = opts.context_limit or None
+        if dense:
+            t0 = time.perf_counter()
+            model, nbytes = load_dense(path, opts.dtype or None, opts.device)
+            self.selective = None
+            self.engine = Engine(model, load_tokenizer(path), context_limit=context_limit)
+            self.bytes_read, self.load_seconds = nbytes, time.perf_counter() - t0
+            self.task = ""
+            self.load_choice = LoadRatioChoice(1.0, "load_ratio", "the dense model")
+            return
+        profiles = opts.profiles or default_profiles_dir(manifest.model_id)
+        if not Path(profiles).is_dir():
+            if opts.load_ratio < 1.0 and opts.selection != "random":
+                raise FileNotFoundError(f"profiles folder {profiles} does not exist; run "
+                                        f"`selectinfer profile` for model {manifest.model_id}")
+            profiles = None
+        self.load_choice = self._choose_load_ratio(opts, manifest, profiles, log)
+        gamma = self.load_choice.load_ratio
+        phi = opts.compute_ratio
+        if phi > gamma and self.load_choice.bound == "memory_budget":
+            raise ValueError(f"memory_budget_mb {opts.memory_budget_mb:g} allows load_ratio "
+                             f"{gamma:.3f}; compute_ratio {phi:g} must not exceed it (0 = "
+                             f"load_ratio)")
+        if phi > 0 and self.load_choice.bound == "min_agreement":  # keep the asked share phi/gamma
+            phi = min(gamma, phi / opts.load_ratio * gamma)
+        sized = replace(opts, load_ratio=gamma, compute_ratio=phi, memory_budget_mb=0.0,
+                        min_agreement=0.0)
+        self.selective = SelectiveModel(
+            path, profiles, opts.task or None, gamma, sized.effective_static_ratio,
+            sized.effective_compute_ratio, opts.alpha, opts.device, opts.dtype or None,
+            opts.dense_layers, opts.selection, None, log)
+        self.engine = Engine.from_selective(self.selective, context_limit)
+        log(f"[runtime] decoding on the {self.engine.decode_path}")
+        self.bytes_read, self.load_seconds = self.selective.bytes_read, self.selective.load_seconds
+        self.task = self.selective.task
+
+    @staticmethod
+    def _choose_load_ratio(opts: ModelOptions, manifest, profiles, log) -> LoadRatioChoice:
+        """gamma from ``load_ratio``, or from the memory budget and/or the agreement target
+        (:func:`choose_load_ratio`: the stricter wins and the message says which bound)."""
+        memory = need = None
+        if opts.memory_budget_mb > 0:
+            dtype = resolve_dtype(opts.dtype or None, manifest.dtype)
+            memory = load_ratio_for_budget(manifest, dtype, int(opts.memory_budget_mb * 2**20),
+                                           opts.dense_layers)
+        if opts.min_agreement > 0:
+            if profiles is None:
+                raise ValueError("min_agreement needs task profiles with a quality curve")
+            share = opts.compute_ratio / opts.load_ratio if opts.compute_ratio > 0 else 1.0
+            need = ProfileCatalog(profiles, manifest).load_ratio_for_agreement(
+                opts.min_agreement, [opts.task] if opts.task else None, share)
+        choice = choose_load_ratio(need, memory, opts.load_ratio, opts.min_agreement or None)
+        if memory is not None or need is not None:
+            log(f"[load] {choice.message}")
+        return choice
+
+    def expected_agreement(self, compute_ratio: float | None = None) -> float | None:
+        """Next-token agreement with the dense model that the active task's stored quality curve
+        predicts at the running gamma and ``compute_ratio`` (default: the model's); None when the
+        profile has no curve or it was measured with another selection."""
+        sm = self.selective
+        if sm is None or sm.catalog is None:
+            return None
+        phi = compute_ratio if compute_ratio is not None else sm.compute_ratio
+        return sm.catalog.expected_agreement(self.task, sm.load_ratio, phi, sm.selection_strategy)
+
+    @property
+    def tasks(self) -> list[str]:
+        sm = self.selective
+        return sm.catalog.tasks if sm is not None and sm.catalog is not None else []
+
+    def generate(self, prompt: str | list[int], config: GenerationConfig,
+                 on_text: Callable[[str, int], None] | None = None,
+                 cancel: Callable[[], bool] | None = None, task: str = "") -> GenerationResult:
+        """Generate, switching to ``task`` first when it differs from the active one."""
+        with self._lock:
+            if task and task != self.task:
+                self._switch(task)
+            result = self.engine.generate(prompt, config, on_text, cancel)
+            self.stats.record(result.metrics)
+            return result
+
+    def choose(self, prompt: str | list[int], choices: list[str], *, length_normalize: bool = False,
+               compute_ratio: float | None = None, use_chat_template: bool = False,
+               cancel: Callable[[], bool] | None = None, task: str = "") -> ChoiceResult:
+        """:meth:`Engine.choose`, switching to ``task`` first when it differs from the active one."""
+        with self._lock:
+            if task and task != self.task:
+                self._switch(task)
+            return self.engine.choose(prompt, choices, length_normalize=length_normalize,
+                                      compute_ratio=compute_ratio,
+                                      use_chat_template=use_chat_template, cancel=cancel)
+
+    def switch_task(self, task: str) -> SwitchReport:
+        """Reload base neurons for ``task`` (waits for a generation in flight)."""
+        with self._lock:
+            return self._switch(task)
+
+    def _switch(self, task: str) -> SwitchReport:
+        if self.selective is None:
+            raise ValueError("the dense model has no task profiles")
+        report = self.selective.switch_task(task)
+        self.task = task
+        self.switches += 1
+        self.last_switch = report
+        return report
+
+    def memory(self) -> dict[str, float]:
+        sm = self.selective
+        if sm is not None:
+            w = sm.weight_bytes()
+            loaded = sum(m.n_loaded for m in sm.mlps)
+        else:
+            model = self.engine.model
+            total = sum(p.numel() * p.element_size() for p in model.parameters())
+            ffn = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".mlp." in n)
+            w = {"ffn": ffn, "other": total - ffn, "total": total}
+            loaded = sum(b.mlp.down_proj.in_features for b in model.model.layers)
+        return {"weight_bytes": w["total"], "ffn_weight_bytes": w["ffn"], "other_weight_bytes": w["other"],
+                "process_rss_bytes": process_rss_bytes(), "peak_rss_bytes": peak_rss_bytes(),
+                "cuda_allocated_bytes": cuda_allocated_bytes(),
+                "system_available_bytes": system_available_bytes(), "neurons_loaded": loaded}
+
+    @property
+    def load_ratio(self) -> float:
+        return self.selective.load_ratio if self.selective is not None else 1.0
+
+    @property
+    def compute_ratio(self) -> float:
+        return self.selective.compute_ratio if self.selective is not None else 1.0
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device

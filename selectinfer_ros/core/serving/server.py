@@ -1,0 +1,538 @@
+"""Serving requests one at a time: a bounded queue and one worker thread that owns the model.
+
+ROS-free. The inference node is an adapter: its goal callback calls :func:`goal_config`,
+:meth:`Server.check_prompt` and :meth:`Server.admit` (all answer at once), its accepted callback
+submits a :class:`GoalJob` whose callbacks publish feedback and the result, and its lifecycle
+transitions call :meth:`Server.load`, :meth:`Server.drain` and :meth:`Server.unload`.
+
+Guarantees: goals run in arrival order; a goal canceled while it waits leaves the queue at once
+(its slot is free for the next goal); a running goal is canceled or aborted within one decode
+step; a task switch (reload) waits in the same queue, may be abandoned only while it waits, and
+once started always completes before its caller hears back.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..execution.engine import (Canceled, ChoiceResult, ContextLengthError, GenerationConfig,
+                     GenerationResult, encode, validate_choices)
+from ..options import check_ratios
+from ..selection.loader import SwitchReport
+from ..options import NodeSettings
+from ..format.safetensors_io import FormatError
+
+# Error codes, named as the Generate action's result constants.
+NONE, UNKNOWN, INVALID_GOAL, UNKNOWN_TASK = "NONE", "UNKNOWN", "INVALID_GOAL", "UNKNOWN_TASK"
+PROMPT_TOO_LONG, QUEUE_FULL, PROFILE_SWITCH_FAILED = "PROMPT_TOO_LONG", "QUEUE_FULL", "PROFILE_SWITCH_FAILED"
+GENERATION_FAILED, NO_MODEL, CANCELED = "GENERATION_FAILED", "NO_MODEL", "CANCELED"
+
+# A prompt with more characters than this per context token is refused before tokenizing it
+# (the goal callback must answer at once, even for an absurd prompt).
+MAX_CHARS_PER_TOKEN = 100
+MAX_CHOICES_CHECKED = 64  # more choices than this are refused before tokenizing any
+
+
+class Rejected(Exception):
+    """A request refused, with an error code and the reason."""
+
+    def __init__(self, code: str, reason: str):
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+@dataclass
+class Outcome:
+    """How a goal ended: ``status`` succeeded, canceled or aborted, with a code and a reason."""
+
+    status: str
+    code: str = NONE
+    message: str = ""
+    result: GenerationResult | None = None
+    choice: ChoiceResult | None = None  # a choices goal's answer
+    task: str = ""
+    load_ratio: float = 0.0
+    compute_ratio: float = 0.0
+
+
+class GoalJob:
+    """One accepted goal. The callbacks run on the worker thread (``on_done`` may also run on
+    the thread that cancels a waiting goal or drains the queue)."""
+
+    def __init__(self, prompt: str, config: GenerationConfig, task: str, compute_ratio: float,
+                 cancel_requested: Callable[[], bool], on_start: Callable[[], None],
+                 on_text: Callable[[str, int], None], on_done: Callable[[Outcome], None],
+                 choices: list[str] | None = None, length_normalize: bool = False):
+        self.prompt, self.config, self.task, self.compute_ratio = prompt, config, task, compute_ratio
+        self.choices = list(choices or [])  # non-empty: answer with the most likely one
+        self.length_normalize = length_normalize
+        self.cancel_requested = cancel_requested
+        self.on_start, self.on_text, self.on_done = on_start, on_text, on_done
+        self.abort_reason: str | None = None  # set by drain/stop
+        self.refused: Rejected | None = None  # set when the goal cannot run (it is aborted)
+        self.outcome: Outcome | None = None
+
+
+class _Reload:
+    def __init__(self, task: str):
+        self.task = task
+        self.state = "queued"  # queued, running, abandoned, done
+        self.done = threading.Event()
+        self.report: SwitchReport | None = None
+        self.error: Exception | None = None
+
+
+class _Call:
+    """Work run on the worker thread (model load and unload) with its result or exception."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+def goal_config(goal, settings: NodeSettings, rt) -> tuple[GenerationConfig, float]:
+    """The GenerationConfig and compute ratio of a goal (any object with the Generate goal's
+    fields), or Rejected with the reason. No tokenization here."""
+    if not goal.prompt or not goal.prompt.strip():
+        raise Rejected(INVALID_GOAL, "empty prompt")
+    if goal.task and goal.task != rt.task and goal.task not in rt.tasks:
+        known = ", ".join(rt.tasks) or "none (no profiles folder)"
+        raise Rejected(UNKNOWN_TASK, f"unknown task {goal.task!r}; tasks: {known}")
+    n = goal.max_new_tokens or settings.max_new_tokens
+    if n > settings.max_new_tokens_limit:
+        raise Rejected(INVALID_GOAL, f"max_new_tokens {n} exceeds the limit "
+                                     f"{settings.max_new_tokens_limit}")
+    for name in ("temperature", "top_p", "repetition_penalty", "compute_ratio"):
+        if not math.isfinite(getattr(goal, name)):
+            raise Rejected(INVALID_GOAL, f"{name} is not a finite number")
+    if goal.top_p < 0 or goal.top_p > 1:
+        raise Rejected(INVALID_GOAL, f"top_p must be in [0, 1] (0 = off), got {goal.top_p:g}")
+    if goal.repetition_penalty < 0:
+        raise Rejected(INVALID_GOAL, "repetition_penalty must be > 0 (0 = off), got "
+                                     f"{goal.repetition_penalty:g}")
+    if goal.compute_ratio < 0:
+        raise Rejected(INVALID_GOAL, f"compute_ratio must be in (0, 1] (0 = node default), "
+                                     f"got {goal.compute_ratio:g}")
+    default_phi = settings.compute_ratio if settings.compute_ratio > 0 else rt.load_ratio
+    phi = float(goal.compute_ratio) if goal.compute_ratio > 0 else default_phi
+    if rt.selective is not None:
+        try:
+            check_ratios(rt.load_ratio, rt.selective.static_ratio, phi)
+        except ValueError as e:
+            raise Rejected(INVALID_GOAL, str(e)) from None
+    cfg = GenerationConfig(
+        max_new_tokens=int(n), temperature=float(goal.temperature), top_k=int(goal.top_k),
+        top_p=float(goal.top_p) if goal.top_p > 0 else 1.0,
+        repetition_penalty=float(goal.repetition_penalty) if goal.repetition_penalty > 0 else 1.0,
+        seed=int(goal.seed) if goal.seed >= 0 else None,
+        stop=[s for s in goal.stop if s], use_chat_template=bool(goal.use_chat_template),
+        compute_ratio=phi if rt.selective is not None and abs(phi - rt.compute_ratio) > 1e-9 else None)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise Rejected(INVALID_GOAL, str(e)) from None
+    return cfg, phi
+
+
+class Server:
+    """The queue and the worker thread (see the module docstring)."""
+
+    def __init__(self, queue_length: int = 4, log: Callable[[str], None] = lambda s: None):
+        self.queue_length = queue_length
+        self.log = log
+        self.on_switch: Callable[[SwitchReport], None] = lambda report: None
+        self.accepting = False  # goals are admitted only while true (the node is active)
+        self.runtime = None
+        self.state = "unloaded"  # unloaded, loading, loaded, load failed: ...
+        self.rejected_without_model = 0
+        self.last_rejection = ""
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._queue: collections.deque = collections.deque()
+        self._in_system = 0  # admitted goals not finished (running + waiting)
+        self._running: GoalJob | None = None
+        self._reloading = False  # a reload is running on the worker
+        self._stopping = False
+        self._worker: threading.Thread | None = None
+        self._check_lock = threading.Lock()  # the goal callbacks' own tokenizer
+        self._check_tokenizer = None
+
+    # ---- worker ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the worker thread (once)."""
+        with self._lock:
+            if self._worker is not None and self._worker.is_alive():
+                return
+            self._stopping = False
+            self._worker = threading.Thread(target=self._work, name="selectinfer-worker", daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                if isinstance(job, GoalJob):
+                    self._running = job
+                elif isinstance(job, _Reload):
+                    job.state = "running"
+                    self._reloading = True
+            try:
+                if isinstance(job, GoalJob):
+                    self._run_goal(job)
+                elif isinstance(job, _Reload):
+                    self._run_reload(job)
+                else:
+                    self._run_call(job)
+            except Exception as e:  # noqa: BLE001 - never let the worker die
+                self.log(f"worker: unexpected {type(e).__name__}: {e}")
+            finally:
+                with self._lock:
+                    self._reloading = False
+                    if isinstance(job, GoalJob):
+                        self._running = None
+                        self._in_system -= 1
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the worker thread after the jobs ahead of it; its value or exception."""
+        call = _Call(fn)
+        with self._cond:
+            if self._worker is None or not self._worker.is_alive():
+                raise RuntimeError("the serving worker is not running")
+            self._queue.append(call)
+            self._cond.notify()
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.value
+
+    @staticmethod
+    def _run_call(call: _Call) -> None:
+        try:
+            call.value = call.fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            call.error = e
+        finally:
+            call.done.set()
+
+    # ---- model ----------------------------------------------------------------------------
+    def load(self, make: Callable[[], Any]) -> Any:
+        """Build the runtime with ``make()`` on the worker thread (so the model and its
+        tokenizer stay with the thread that uses them); raises what ``make`` raised."""
+        self.state = "loading"
+
+        def build():
+            rt = make()
+            checker = copy.deepcopy(rt.engine.tokenizer)
+            return rt, checker
+
+        try:
+            rt, checker = self._call(build)
+        except Exception as e:
+            self.state = f"load failed: {type(e).__name__}: {e}"
+            raise
+        with self._check_lock:
+            self._check_tokenizer = checker
+        self.runtime = rt
+        self.state = "loaded"
+        return rt
+
+    def unload(self) -> None:
+        """Drop the runtime (after the jobs ahead of it) and free its memory."""
+        def drop():
+            self.runtime = None
+            import gc
+            gc.collect()
+
+        if self._worker is not None and self._worker.is_alive():
+            self._call(drop)
+        else:
+            drop()
+        with self._check_lock:
+            self._check_tokenizer = None
+        self.state = "unloaded"
+
+    # ---- goals ----------------------------------------------------------------------------
+    def check_prompt(self, prompt: str, use_chat_template: bool) -> int:
+        """Tokens of ``prompt`` if it fits the context, else Rejected. Uses a tokenizer of its
+        own (never the worker's), so the answer does not depend on what the worker is doing."""
+        rt = self.runtime
+        if rt is None:
+            raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
+        limit = rt.engine.context_limit
+        if len(prompt) > limit * MAX_CHARS_PER_TOKEN:
+            raise Rejected(PROMPT_TOO_LONG, f"prompt has {len(prompt)} characters; the context "
+                                            f"limit is {limit} tokens")
+        with self._check_lock:
+            tok = self._check_tokenizer
+            if tok is None:
+                raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
+            try:
+                ids = encode(tok, prompt, use_chat_template)
+            except ValueError as e:  # e.g. no chat template
+                raise Rejected(INVALID_GOAL, str(e)) from None
+            except Exception as e:  # noqa: BLE001 - a tokenizer failure is the goal's problem
+                raise Rejected(INVALID_GOAL, f"prompt could not be tokenized: "
+                                             f"{type(e).__name__}: {e}") from None
+        try:
+            rt.engine.check_prompt(len(ids))
+        except ContextLengthError as e:
+            raise Rejected(PROMPT_TOO_LONG, str(e)) from None
+        except ValueError as e:
+            raise Rejected(INVALID_GOAL, str(e)) from None
+        return len(ids)
+
+    def check_choices(self, choices: list[str], prompt_tokens: int) -> None:
+        """Rejected(INVALID_GOAL) when ``choices`` cannot be scored after a prompt of
+        ``prompt_tokens`` tokens (at most 64, none empty or repeated, each fits the context);
+        tokenizes with the goal callbacks' own tokenizer."""
+        rt = self.runtime
+        if rt is None:
+            raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
+        with self._check_lock:
+            tok = self._check_tokenizer
+            if tok is None:
+                raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
+            try:
+                # + 1 token: the space Engine.choose may put between prompt and choice
+                ids = [tok(c, add_special_tokens=False)["input_ids"] + [0]
+                       for c in choices[:MAX_CHOICES_CHECKED]]
+                validate_choices(list(choices), rt.engine, prompt_tokens, ids
+                                 if len(choices) <= MAX_CHOICES_CHECKED else None)
+            except ValueError as e:
+                raise Rejected(INVALID_GOAL, f"invalid choices: {e}") from None
+
+    def admit(self) -> None:
+        """Reserve a place for one goal, or Rejected (not serving, no model, queue full)."""
+        with self._lock:
+            if self._stopping or not self.accepting:
+                raise Rejected(NO_MODEL, "node is not active (deactivating, shutting down or "
+                                         "not yet configured)")
+            if self.runtime is None:
+                raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
+            if self._in_system >= self.queue_length + 1:
+                raise Rejected(QUEUE_FULL, f"queue full: {self._in_system} goals in progress, "
+                                           f"queue_length {self.queue_length}")
+            self._in_system += 1
+
+    def note_rejection(self, e: Rejected) -> None:
+        with self._lock:
+            if self.runtime is not None:
+                self.runtime.stats.rejected += 1
+            else:
+                self.rejected_without_model += 1
+            self.last_rejection = f"{e.code}: {e.reason}"
+
+    def submit(self, job: GoalJob) -> None:
+        """Queue an admitted goal (see :meth:`admit`)."""
+        with self._cond:
+            if self._stopping:
+                self._in_system -= 1
+                abort = True
+            else:
+                self._queue.append(job)
+                self._cond.notify()
+                abort = False
+        if abort:
+            self._finish(job, Outcome("aborted", NO_MODEL, "node shutting down"))
+
+    def cancel(self, job: GoalJob) -> bool:
+        """A client's cancel: a waiting goal leaves the queue now (True; it ends CANCELED); a
+        running one stops within a decode step (its ``cancel_requested`` is polled)."""
+        with self._lock:
+            try:
+                self._queue.remove(job)
+            except ValueError:
+                return False
+            self._in_system -= 1
+        self._finish(job, Outcome("canceled", CANCELED, "canceled before it started"))
+        return True
+
+    def drain(self, reason: str, timeout: float = 30.0) -> bool:
+        """Stop admitting goals; abort the waiting ones and the running one (within one decode
+        step) with ``reason``; True once the worker is idle within ``timeout``."""
+        with self._lock:
+            self.accepting = False
+            waiting = [j for j in self._queue if isinstance(j, (GoalJob, _Reload))]
+            for j in waiting:
+                self._queue.remove(j)
+            self._in_system -= sum(isinstance(j, GoalJob) for j in waiting)
+            if self._running is not None:
+                self._running.abort_reason = reason
+        for j in waiting:
+            if isinstance(j, GoalJob):
+                self._finish(j, Outcome("aborted", NO_MODEL, reason))
+            else:
+                j.state, j.error = "done", RuntimeError(reason)
+                j.done.set()
+        return self.wait_idle(timeout)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """True once no goal runs or waits (polled), False after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._running is None and not any(isinstance(j, GoalJob) for j in self._queue):
+                    return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+
+    def stop(self, reason: str = "node shutting down", timeout: float = 10.0) -> bool:
+        """Drain with ``reason`` and end the worker thread; True if it ended within ``timeout``."""
+        self.drain(reason, timeout)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout)
+        return worker is None or not worker.is_alive()
+
+    @property
+    def generating(self) -> bool:
+        return self._running is not None
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return self._in_system - (1 if self._running is not None else 0)
+
+    def _finish(self, job: GoalJob, outcome: Outcome) -> None:
+        rt = self.runtime
+        if rt is not None:
+            with self._lock:
+                if outcome.status == "succeeded":
+                    rt.stats.succeeded += 1
+                elif outcome.status == "canceled":
+                    rt.stats.canceled += 1
+                else:
+                    rt.stats.aborted += 1
+            outcome.task = outcome.task or rt.task
+            outcome.load_ratio = outcome.load_ratio or float(rt.load_ratio)
+        job.outcome = outcome
+        job.on_done(outcome)
+
+    def _run_goal(self, job: GoalJob) -> None:
+        rt = self.runtime
+        job.on_start()
+        if job.cancel_requested():
+            return self._finish(job, Outcome("canceled", CANCELED, "canceled before it started"))
+        if job.abort_reason is not None:
+            return self._finish(job, Outcome("aborted", NO_MODEL, job.abort_reason))
+        if job.refused is not None:
+            return self._finish(job, Outcome("aborted", job.refused.code, job.refused.reason))
+        if rt is None:
+            return self._finish(job, Outcome("aborted", NO_MODEL, f"no model loaded ({self.state})"))
+        stop = lambda: job.cancel_requested() or job.abort_reason is not None  # noqa: E731
+        try:
+            if job.task and job.task != rt.task:
+                self._switch(rt, job.task)
+            if job.choices:
+                choice = rt.choose(job.prompt, job.choices, length_normalize=job.length_normalize,
+                                   compute_ratio=job.config.compute_ratio,
+                                   use_chat_template=job.config.use_chat_template, cancel=stop)
+                return self._finish(job, Outcome("succeeded", choice=choice, task=rt.task,
+                                                 load_ratio=float(rt.load_ratio),
+                                                 compute_ratio=job.compute_ratio))
+            res = rt.generate(job.prompt, job.config, on_text=job.on_text, cancel=stop)
+        except Canceled:
+            if job.cancel_requested():
+                return self._finish(job, Outcome("canceled", CANCELED, "canceled by client"))
+            return self._finish(job, Outcome("aborted", NO_MODEL, str(job.abort_reason)))
+        except Rejected as e:
+            return self._finish(job, Outcome("aborted", e.code, e.reason))
+        except ContextLengthError as e:
+            return self._finish(job, Outcome("aborted", PROMPT_TOO_LONG, str(e)))
+        except ValueError as e:
+            return self._finish(job, Outcome("aborted", INVALID_GOAL, str(e)))
+        except Exception as e:  # noqa: BLE001 - abort this goal, keep serving
+            return self._finish(job, Outcome("aborted", GENERATION_FAILED,
+                                             f"generation failed: {type(e).__name__}: {e}"))
+        out = Outcome("succeeded", result=res, task=rt.task, load_ratio=float(rt.load_ratio),
+                      compute_ratio=job.compute_ratio)
+        if res.finish_reason == "canceled":
+            if job.cancel_requested():
+                out.status, out.code, out.message = "canceled", CANCELED, "canceled by client"
+            else:
+                out.status, out.code = "aborted", NO_MODEL
+                out.message = f"{job.abort_reason}; generation stopped after " \
+                              f"{res.metrics.generated_tokens} tokens"
+        self._finish(job, out)
+
+    # ---- task switches --------------------------------------------------------------------
+    def _switch(self, rt, task: str) -> SwitchReport:
+        """Switch base neurons (worker thread); Rejected on failure, the previous task active."""
+        before = rt.task
+        if task not in rt.tasks:
+            raise Rejected(UNKNOWN_TASK, f"unknown task {task!r}; tasks: "
+                                         f"{', '.join(rt.tasks) or 'none (no profiles folder)'}")
+        try:
+            report = rt.switch_task(task)
+        except KeyError as e:
+            raise Rejected(UNKNOWN_TASK, str(e.args[0]) if e.args else str(e)) from None
+        except (FormatError, ValueError, OSError) as e:
+            raise Rejected(PROFILE_SWITCH_FAILED, f"profile switch to {task!r} refused ({e}); "
+                                                  f"{before!r} stays active") from None
+        self.log(f"switched base neurons {before!r} -> {task!r} in {report.seconds:.3f} s: read "
+                 f"{report.bytes_read / 2**20:.2f} MiB ({report.neurons_read} neurons), dropped "
+                 f"{report.neurons_dropped} (full load: {rt.bytes_read / 2**20:.1f} MiB in "
+                 f"{rt.load_seconds:.2f} s)")
+        self.on_switch(report)
+        return report
+
+    def _run_reload(self, job: _Reload) -> None:
+        try:
+            rt = self.runtime
+            if rt is None:
+                raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
+            if job.task and job.task != rt.task:
+                job.report = self._switch(rt, job.task)
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            job.error = e
+        finally:
+            job.state = "done"
+            job.done.set()
+
+    def reload(self, task: str, timeout: float) -> SwitchReport | None:
+        """Switch to ``task`` in queue order. Waits at most ``timeout`` seconds for the jobs ahead
+        of it (TimeoutError: the reload is abandoned and will not run); once started it always
+        completes before this returns. None when ``task`` is already active; Rejected on
+        failure (the previous task stays active)."""
+        job = _Reload(task)
+        with self._cond:
+            if self._stopping or self._worker is None or not self._worker.is_alive():
+                raise Rejected(NO_MODEL, "node shutting down")
+            if (task in ("", self.task) and not self._reloading
+                    and not any(isinstance(j, _Reload) for j in self._queue)):
+                return None  # no switch ahead could change the task: no need to wait for goals
+            self._queue.append(job)
+            self._cond.notify()
+        if not job.done.wait(timeout):
+            with self._lock:
+                if job.state == "queued":
+                    self._queue.remove(job)
+                    job.state = "abandoned"
+            if job.state == "abandoned":
+                raise TimeoutError(f"the reload waited {timeout:g} s for the goals ahead of it "
+                                   f"and was abandoned; task {self.task!r} stays active")
+            job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.report
+
+    @property
+    def task(self) -> str:
+        rt = self.runtime
+        return rt.task if rt is not None else ""

@@ -1,0 +1,252 @@
+"""py_trees behaviours that call the LLM: :class:`Generate`, :class:`Choose`, :class:`SwitchProfile`.
+
+As in py_trees_ros, ``__init__`` takes configuration only and rclpy comes in late: ``tree.setup(
+node=node)`` (before that node spins: rclpy registers an ActionClient with its node before the
+client's lock exists) makes or reuses one :class:`~selectinfer_ros.ros.client.LLMClient` per node and
+namespace (or pass your own as ``tree.setup(node=node, selectinfer_client=client)``) and waits
+``wait_for_server_timeout`` seconds for the servers. Ticks never block: ``initialise`` sends the
+goal, ``update`` returns RUNNING until the outcome, then SUCCESS or FAILURE (the error as
+``feedback_message`` and on the ``error_key`` blackboard key). A behaviour interrupted (``terminate
+(INVALID)``, e.g. a higher-priority branch took over) or shut down (``tree.shutdown()``) cancels its
+goal, also when the goal response has not come yet: the cancel goes out as soon as it comes.
+
+Timeouts, as BehaviorTree.ROS2's: ``server_timeout`` for the goal response (a goal the server
+never answers fails), ``result_timeout`` for the result (the goal is then canceled and fails).
+"""
+from __future__ import annotations
+
+import string
+import weakref
+from typing import Any
+
+import py_trees
+from py_trees.common import Access, Status
+
+from .client import STATUS_SUCCEEDED, GoalHandle, LLMClient, Outcome, ServiceCall
+
+_clients: "weakref.WeakKeyDictionary[Any, dict[str, LLMClient]]" = weakref.WeakKeyDictionary()
+
+
+def shared_client(node, namespace: str = "llm") -> LLMClient:
+    """One LLMClient per (node, namespace), made on first use (before the node spins)."""
+    per_node = _clients.setdefault(node, {})
+    if namespace not in per_node:
+        per_node[namespace] = LLMClient(node, namespace)
+    return per_node[namespace]
+
+
+def close_shared_clients(node) -> None:
+    """Destroy the clients :func:`shared_client` made on ``node`` (before destroying the node)."""
+    for client in _clients.pop(node, {}).values():
+        client.close()
+
+
+def _key(key: str) -> str:
+    return key if key.startswith("/") else "/" + key
+
+
+class _LLMBehaviour(py_trees.behaviour.Behaviour):
+    """Shared plumbing: late rclpy, blackboard keys, the goal in flight."""
+
+    def __init__(self, name: str, namespace: str, wait_for_server_timeout: float,
+                 server_timeout: float, result_timeout: float):
+        super().__init__(name)
+        self.namespace = namespace
+        self.wait_for_server_timeout = wait_for_server_timeout
+        self.server_timeout, self.result_timeout = server_timeout, result_timeout
+        self.client: LLMClient | None = None
+        self.blackboard = self.attach_blackboard_client(name=name)
+
+    def _register(self, key: str | None, access: Access) -> str | None:
+        if key is None:
+            return None
+        key = _key(key)
+        self.blackboard.register_key(key=key, access=access)
+        return key
+
+    def setup(self, **kwargs: Any) -> None:
+        """Attach rclpy: ``node`` (required unless ``selectinfer_client`` is given)."""
+        client = kwargs.get("selectinfer_client")
+        if client is None:
+            node = kwargs.get("node")
+            if node is None:
+                raise KeyError(f"{self.name}: setup() needs node=<rclpy Node> (or "
+                               f"selectinfer_client=<LLMClient>)")
+            client = shared_client(node, self.namespace)
+        self.client = client
+        self._wait_for_server()
+
+    def _wait_for_server(self) -> None:
+        if not self.client.wait_for_server(self.wait_for_server_timeout):
+            raise TimeoutError(f"{self.name}: no action server {self.client.action_name} within "
+                               f"{self.wait_for_server_timeout:g} s")
+
+
+class Generate(_LLMBehaviour):
+    """Generate text for a prompt; writes the text (and error) to the blackboard.
+
+    ``prompt`` is a format string whose ``{fields}`` are blackboard keys (``"Scene: {scene}"``
+    reads ``/scene``); ``prompt_key`` reads the whole prompt from one key instead. Goal fields
+    (``task``, ``max_new_tokens``, ``stop``, ...) go in ``goal_options``.
+    """
+
+    def __init__(self, name: str, prompt: str = "", *, prompt_key: str | None = None,
+                 text_key: str = "/llm/text", error_key: str = "/llm/error",
+                 namespace: str = "llm", wait_for_server_timeout: float = 10.0,
+                 server_timeout: float = 5.0, result_timeout: float = 120.0, **goal_options: Any):
+        super().__init__(name, namespace, wait_for_server_timeout, server_timeout, result_timeout)
+        if not prompt and prompt_key is None:
+            raise ValueError(f"{name}: give a prompt (format string) or a prompt_key")
+        self.prompt = prompt
+        self.goal_options = goal_options
+        self.prompt_key = self._register(prompt_key, Access.READ)
+        self.fields = sorted({f for _, f, _, _ in string.Formatter().parse(prompt) if f})
+        for f in self.fields:
+            self._register(f, Access.READ)
+        self.text_key = self._register(text_key, Access.WRITE)
+        self.error_key = self._register(error_key, Access.WRITE)
+        self.handle: GoalHandle | None = None
+        self.outcome: Outcome | None = None
+
+    def render_prompt(self) -> str:
+        """The prompt filled from the blackboard (KeyError when a key is not set)."""
+        if self.prompt_key is not None:
+            return str(self.blackboard.get(self.prompt_key))
+        return self.prompt.format_map({f: self.blackboard.get(_key(f)) for f in self.fields})
+
+    def _send(self, prompt: str) -> GoalHandle:
+        return self.client.generate_async(prompt, server_timeout=self.server_timeout,
+                                          timeout=self.result_timeout, **self.goal_options)
+
+    def initialise(self) -> None:
+        self.outcome = None
+        self.handle = None
+        try:
+            self.handle = self._send(self.render_prompt())
+        except KeyError as e:
+            self.outcome = Outcome("ERROR", error_msg=f"blackboard key not set: {e}")
+            return
+        except ValueError as e:
+            self.outcome = Outcome("ERROR", error_msg=str(e))
+            return
+        self.feedback_message = "goal sent"
+
+    def update(self) -> Status:
+        if self.outcome is None:
+            if self.handle is None or not self.handle.done():
+                fb = self.handle.feedback if self.handle is not None else None
+                self.feedback_message = (
+                    f"running: {fb.generated_tokens} tokens" if fb is not None else
+                    "waiting for the goal response" if self.handle.accepted is None else
+                    "accepted, waiting for the answer")
+                return Status.RUNNING
+            self.outcome = self.handle.result()
+        return self._finish(self.outcome)
+
+    def _finish(self, out: Outcome) -> Status:
+        if out.status != STATUS_SUCCEEDED:
+            msg = f"{out.status}: {out.error_msg}" if out.error_msg else out.status
+            if out.error_code:
+                msg = f"{out.status} ({out.error_code}): {out.error_msg}"
+            self.blackboard.set(self.error_key, msg, overwrite=True)
+            self.feedback_message = msg
+            return Status.FAILURE
+        self.blackboard.set(self.error_key, "", overwrite=True)
+        self._write(out)
+        return Status.SUCCESS
+
+    def _write(self, out: Outcome) -> None:
+        self.blackboard.set(self.text_key, out.text, overwrite=True)
+        self.feedback_message = f"{len(out.text)} characters"
+
+    def terminate(self, new_status: Status) -> None:
+        """Interrupted while its goal runs: cancel it (now or when the goal response comes)."""
+        if new_status == Status.INVALID and self.handle is not None and self.outcome is None:
+            self.handle.cancel()
+            self.feedback_message = "canceled (interrupted)"
+
+    def shutdown(self) -> None:
+        """tree.shutdown(): never leave a generation running."""
+        if self.handle is not None and self.outcome is None:
+            self.handle.cancel()
+
+
+class Choose(Generate):
+    """Pick one of ``choices`` (or the list on ``choices_key``); writes the option and its index.
+
+    ``outcomes`` maps options to SUCCESS or FAILURE (options not in it give SUCCESS), so a tree
+    can branch on the answer: ``Choose(..., outcomes={"no": Status.FAILURE})``.
+    """
+
+    def __init__(self, name: str, prompt: str = "", choices: list[str] | None = None, *,
+                 choices_key: str | None = None, choice_key: str = "/llm/choice",
+                 index_key: str = "/llm/choice_index", outcomes: dict[str, Status] | None = None,
+                 text_key: str | None = None, **kwargs: Any):
+        if not choices and choices_key is None:
+            raise ValueError(f"{name}: give choices or a choices_key")
+        super().__init__(name, prompt, text_key=text_key or choice_key, **kwargs)
+        self.choices = list(choices or [])
+        self.choices_key = self._register(choices_key, Access.READ)
+        self.index_key = self._register(index_key, Access.WRITE)
+        self.outcomes = dict(outcomes or {})
+
+    def _send(self, prompt: str) -> GoalHandle:
+        choices = (list(self.blackboard.get(self.choices_key)) if self.choices_key is not None
+                   else self.choices)
+        if not choices:
+            raise ValueError(f"no choices on {self.choices_key}")
+        return self.client.choose_async(prompt, choices, server_timeout=self.server_timeout,
+                                        timeout=self.result_timeout, **self.goal_options)
+
+    def _finish(self, out: Outcome) -> Status:
+        status = super()._finish(out)
+        if status == Status.SUCCESS:
+            return self.outcomes.get(out.text, Status.SUCCESS)
+        self.blackboard.set(self.index_key, -1, overwrite=True)
+        return status
+
+    def _write(self, out: Outcome) -> None:
+        self.blackboard.set(self.text_key, out.text, overwrite=True)
+        self.blackboard.set(self.index_key, out.choice_index, overwrite=True)
+        self.feedback_message = f"chose {out.text!r} ({out.choice_index})"
+
+
+class SwitchProfile(_LLMBehaviour):
+    """Switch the active task profile through the profile manager's ``switch_profile``."""
+
+    def __init__(self, name: str, task: str, *, namespace: str = "llm",
+                 wait_for_server_timeout: float = 10.0, result_timeout: float = 60.0,
+                 error_key: str = "/llm/error"):
+        super().__init__(name, namespace, wait_for_server_timeout, 0.0, result_timeout)
+        self.task = task
+        self.error_key = self._register(error_key, Access.WRITE)
+        self.call: ServiceCall | None = None
+        self._deadline = 0.0
+
+    def _wait_for_server(self) -> None:
+        c = self.client
+        if not c.switch_client.wait_for_service(timeout_sec=self.wait_for_server_timeout):
+            raise TimeoutError(f"{self.name}: no service {c.switch_name} within "
+                               f"{self.wait_for_server_timeout:g} s")
+
+    def initialise(self) -> None:
+        import time
+        self.call = self.client.switch_profile_async(self.task)
+        self._deadline = time.monotonic() + self.result_timeout
+        self.feedback_message = f"switching to {self.task!r}"
+
+    def update(self) -> Status:
+        import time
+        out = self.call.result()
+        if out is None:
+            if time.monotonic() < self._deadline:
+                return Status.RUNNING
+            out = Outcome("TIMEOUT", error_msg=f"no answer within {self.result_timeout:g} s")
+        if out.ok:
+            self.blackboard.set(self.error_key, "", overwrite=True)
+            self.feedback_message = f"active task {out.text!r}"
+            return Status.SUCCESS
+        msg = f"{out.status}: {out.error_msg}"
+        self.blackboard.set(self.error_key, msg, overwrite=True)
+        self.feedback_message = msg
+        return Status.FAILURE

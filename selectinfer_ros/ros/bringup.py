@@ -1,0 +1,249 @@
+"""Start ``selectinfer_node`` and ``profile_manager`` in one process, without launch or ros2cli.
+
+    python -m selectinfer_ros.ros.bringup --params config/desktop.yaml
+
+It does what ``launch/jetson.launch.py`` does on a full ROS install: the same parameters YAML
+(``<node_name>: ros__parameters:`` blocks, matched by rcl as with ``--params-file``), the same
+launch arguments as options (``--model --task --load-ratio --compute-ratio --device --dtype
+--namespace``), and it drives both lifecycle nodes through their ``change_state`` services, as
+launch's ChangeState events do: ``selectinfer_node`` configure (model load) and activate (the
+action server appears), then ``profile_manager`` configure and activate. Both nodes spin in one
+MultiThreadedExecutor. Ctrl-C (or SIGTERM) ends the running goal within a decode step (its
+client gets the result with the reason), shuts both nodes down and exits 0.
+
+Arguments after ``--ros-args`` (log levels, remappings, ``-p name:=value`` for both nodes) go
+to rcl.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import rclpy
+from rclpy.executors import MultiThreadedExecutor
+from rclpy.node import Node
+from rclpy.parameter import Parameter
+
+from .plumbing import init_context, ns_name, spin_in_background
+
+CONFIG_NAMES = ("desktop.yaml", "jetson_orin_nano.yaml")
+LOAD_TIMEOUT = 1800.0  # seconds for selectinfer_node's configure (a first run converts the model)
+
+
+def config_dir() -> Path:
+    """``config/`` of the source checkout, or ``share/selectinfer_ros/config`` when installed."""
+    from ..core.format.paths import REPO_ROOT, share_dir
+    if (REPO_ROOT / "config").is_dir():
+        return REPO_ROOT / "config"
+    share = share_dir()
+    return share / "config" if share else REPO_ROOT / "config"
+
+
+def resolve_params_file(name: str | None) -> Path | None:
+    """A parameters file by path, or by name in the package's config folder."""
+    if not name:
+        return None
+    p = Path(name)
+    if p.is_file():
+        return p
+    for candidate in (config_dir() / p.name, config_dir() / f"{p.name}.yaml"):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"parameters file {name} not found (nor in {config_dir()})")
+
+
+class Interrupted(RuntimeError):
+    """Ctrl-C (or SIGTERM) came while bringing the nodes up."""
+
+
+class Bringup:
+    """Both nodes in one process, spun by a background MultiThreadedExecutor."""
+
+    def __init__(self, params_file: str | Path | None = None, namespace: str = "llm",
+                 overrides: dict | None = None, ros_args: list[str] | None = None,
+                 num_threads: int = 8, interrupt: threading.Event | None = None):
+        from .client import LLMClient
+        from .nodes.inference_node import InferenceNode
+        from .nodes.profile_manager import ProfileManager
+        args = ["selectinfer_bringup", "--ros-args"]
+        if params_file:
+            args += ["--params-file", str(params_file)]
+        args += list(ros_args or [])
+        self.namespace = namespace
+        self.interrupt = interrupt or threading.Event()  # set: stop waiting for transitions
+        self.context = init_context(args)
+        overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+        node_params = [Parameter(k, value=v) for k, v in overrides.items()]
+        manager_params = [Parameter(k, value=v) for k, v in overrides.items()
+                          if k in ("model", "profiles", "task")]
+        self.inference = self.manager = self.helper = self.llm = None
+        try:
+            self.inference = InferenceNode(namespace=namespace, context=self.context,
+                                           parameter_overrides=node_params)
+            self.manager = ProfileManager(namespace=namespace, context=self.context,
+                                          parameter_overrides=manager_params)
+            self.helper = Node("selectinfer_bringup", namespace=namespace, context=self.context)
+            # Made before the helper spins (rclpy's ActionClient is not safe to create on a
+            # node being spun: it registers itself before its lock exists).
+            self.llm = LLMClient(self.helper, namespace)
+        except Exception:
+            self._destroy_nodes()
+            rclpy.shutdown(context=self.context)
+            raise
+        self.executor = MultiThreadedExecutor(num_threads=num_threads, context=self.context)
+        for node in (self.inference, self.manager, self.helper):
+            self.executor.add_node(node)
+        self._thread = spin_in_background(self.executor, "bringup-spin")
+
+    def change_state(self, node: str, transition_id: int, timeout: float) -> bool:
+        """Ask node ``node`` for a lifecycle transition through its change_state service (what
+        launch's ChangeState event does)."""
+        from lifecycle_msgs.srv import ChangeState
+        name = ns_name(self.namespace, f"{node}/change_state")
+        client = self.helper.create_client(ChangeState, name)
+        try:
+            if not client.wait_for_service(timeout_sec=10.0):
+                raise RuntimeError(f"service {name} not available")
+            req = ChangeState.Request()
+            req.transition.id = transition_id
+            future = client.call_async(req)
+            end = time.monotonic() + timeout
+            while not future.done():
+                if self.interrupt.wait(0.01):
+                    raise Interrupted(f"interrupted while waiting for {name}")
+                if time.monotonic() > end:
+                    raise TimeoutError(f"{name}: no answer within {timeout:g} s")
+            return bool(future.result().success)
+        finally:
+            self.helper.destroy_client(client)
+
+    def configure_and_activate(self, timeout: float = LOAD_TIMEOUT) -> None:
+        """configure + activate selectinfer_node, then the profile manager (the order of the
+        launch file); RuntimeError with the reason on failure."""
+        from lifecycle_msgs.msg import Transition
+        if not self.change_state("selectinfer_node", Transition.TRANSITION_CONFIGURE, timeout):
+            raise RuntimeError(f"selectinfer_node refused to configure ("
+                               f"{self.inference.load_error or 'see its log'})")
+        if not self.change_state("selectinfer_node", Transition.TRANSITION_ACTIVATE, 60.0):
+            raise RuntimeError("selectinfer_node refused to activate (see its log)")
+        manager_timeout = self.manager.settings.reload_timeout + 150.0
+        if not self.change_state("profile_manager", Transition.TRANSITION_CONFIGURE, manager_timeout):
+            raise RuntimeError("profile_manager refused to configure (see its log: profiles "
+                               "folder, model, initial task)")
+        if not self.change_state("profile_manager", Transition.TRANSITION_ACTIVATE, manager_timeout):
+            raise RuntimeError("profile_manager refused to activate (see its log)")
+
+    def _destroy_nodes(self) -> None:
+        if self.llm is not None:
+            self.llm.close()
+            self.llm = None
+        for node in (self.helper, self.manager, self.inference):
+            if node is not None:
+                node.destroy_node()
+
+    def shutdown(self) -> None:
+        """End the goals (the running one within a decode step; clients get the results while
+        the executor still spins), shut both lifecycle nodes down, stop the executor, destroy
+        the nodes."""
+        if self.inference is not None and self.context.ok():
+            self.inference.stop()
+        for node in (self.manager, self.inference):
+            try:
+                if node is not None and self.context.ok():
+                    node.trigger_shutdown()
+            except Exception:  # noqa: BLE001 - already finalized
+                pass
+        self.executor.shutdown(timeout_sec=5.0)
+        self._thread.join(5.0)
+        self._destroy_nodes()
+        if self.context.ok():
+            rclpy.shutdown(context=self.context)
+
+    def __enter__(self) -> "Bringup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def overrides_from_args(args) -> dict:
+    """Parameter overrides from the options that were given (as the launch file does: with
+    ``--device cpu`` and no ``--dtype``, dtype becomes float32, float16 being slow on CPUs)."""
+    out = {"model": args.model, "task": args.task, "load_ratio": args.load_ratio,
+           "compute_ratio": args.compute_ratio, "device": args.device, "dtype": args.dtype}
+    if args.device == "cpu" and not args.dtype:
+        out["dtype"] = "float32"
+    return out
+
+
+def add_arguments(ap: argparse.ArgumentParser, default_params: str | None = "desktop.yaml") -> None:
+    ap.add_argument("--params", default=default_params,
+                    help="parameters YAML (path, or a name in config/: desktop.yaml, "
+                         "jetson_orin_nano.yaml)")
+    ap.add_argument("--namespace", default="llm")
+    ap.add_argument("--model", help="packed model folder (empty = embedded Gemma 3 270M)")
+    ap.add_argument("--task", help="initial task profile")
+    ap.add_argument("--load-ratio", type=float, help="gamma: share of MLP neurons resident")
+    ap.add_argument("--compute-ratio", type=float, help="phi: share computed per token")
+    ap.add_argument("--device", help="cpu, cuda, cuda:N")
+    ap.add_argument("--dtype", help="float32, float16, bfloat16")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rclpy.utilities import remove_ros_args
+
+    from .nodes.settings import ParamError
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ros_args = argv[argv.index("--ros-args") + 1:] if "--ros-args" in argv else []
+    ap = argparse.ArgumentParser(prog="python -m selectinfer_ros.ros.bringup",
+                                 description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    ap.add_argument("--no-activate", action="store_true",
+                    help="leave the profile manager unconfigured (drive it yourself)")
+    args = ap.parse_args(remove_ros_args(["x"] + argv)[1:])
+    try:
+        params_file = resolve_params_file(args.params)
+    except FileNotFoundError as e:
+        print(f"bringup: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"[bringup] parameters {params_file or '(node defaults)'}, namespace /{args.namespace}",
+          flush=True)
+    try:
+        bringup = Bringup(params_file, args.namespace, overrides_from_args(args), ros_args,
+                          interrupt=stop)
+    except ParamError as e:
+        print(f"bringup: parameter refused: {e}", file=sys.stderr)
+        return 2
+    rc = 0
+    try:
+        if not args.no_activate:
+            bringup.configure_and_activate()
+            rt = bringup.inference.runtime
+            print(f"[bringup] ready: {ns_name(args.namespace, 'generate')} serving {rt.model_id} "
+                  f"on {rt.device}, task {rt.task or '-'} (load_ratio {rt.load_ratio:g}, "
+                  f"compute_ratio {rt.compute_ratio:g}); profile_manager active; Ctrl-C to stop",
+                  flush=True)
+        while not stop.wait(0.5):
+            if not bringup.context.ok():
+                break
+    except Interrupted as e:
+        print(f"[bringup] {e}", flush=True)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"bringup: {e}", file=sys.stderr)
+        rc = 1
+    finally:
+        print("[bringup] shutting down", flush=True)
+        bringup.shutdown()
+    return rc
+
+
+if __name__ == "__main__":
+    from .plumbing import exit_now
+    exit_now(main())

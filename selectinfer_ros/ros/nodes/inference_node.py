@@ -1,0 +1,419 @@
+"""``selectinfer_node``: the selectively loaded model behind a ROS 2 Generate action.
+
+A lifecycle node (as llama_ros's): "action server available" means "goals will be served".
+
+* configure   loads the model (preparing the embedded one once, under an inter-process lock) on
+              the serving worker thread; the lifecycle services stay answering meanwhile
+              (``ros2 lifecycle get`` works during a long load)
+* activate    creates the ``generate`` action server and the ``reload_base`` service
+* deactivate  aborts the waiting goals and the running one (within one decode step) with the
+              reason, then removes the action server and the service
+* cleanup     frees the model; shutdown does all of the above from any state
+
+Always (in every state): ``loaded_profile`` (selectinfer_msgs/msg/ActiveProfile, transient
+local: the task whose base neurons are resident) and ``diagnostics`` + ``/diagnostics``
+(diagnostic_msgs/DiagnosticArray every period, with the lifecycle state).
+
+The node translates messages and parameters; the queue, the worker and the goal validation are
+the core's :class:`selectinfer_ros.core.serving.server.Server`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.action import CancelResponse, GoalResponse
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.lifecycle import LifecycleNodeMixin, TransitionCallbackReturn
+from rclpy.node import Node
+
+from diagnostic_msgs.msg import DiagnosticArray
+from selectinfer_msgs.action import Generate
+from selectinfer_msgs.msg import ActiveProfile
+from selectinfer_msgs.srv import ReloadBase
+
+from ...core.serving.server import GoalJob, Outcome, Rejected, Server, goal_config
+from ..plumbing import LATCHED, exit_now, run_node
+from ..safe_action import SafeActionServer
+from . import diagnostics as diag
+from .settings import NodeSettings, ParamError, apply_changes, check_model_files, declare
+
+R = Generate.Result
+RESULT_GRACE = 0.2  # seconds for the last results to reach their clients before the server goes
+
+
+def _resolve(node, name: str) -> str:
+    """Fully qualified name of a relative topic/action ``name`` of ``node``."""
+    try:
+        return node.resolve_topic_name(name)
+    except Exception:  # noqa: BLE001 - older rclpy without resolve_topic_name
+        ns = node.get_namespace().rstrip("/")
+        return f"{ns}/{name}"
+
+
+def result_message(outcome: Outcome) -> Generate.Result:
+    """The Generate result of a goal's outcome."""
+    r = R(error_code=getattr(R, outcome.code), error_msg=outcome.message,
+          profile=outcome.task, load_ratio=float(outcome.load_ratio),
+          compute_ratio=float(outcome.compute_ratio))
+    if outcome.choice is not None:
+        c = outcome.choice
+        r.text, r.finish_reason, r.choice_index = c.choice, "choice", c.index
+        r.choice_logprobs = [float(x) for x in c.logprobs]
+        r.choice_logprobs_normalized = [float(x) for x in c.logprobs_normalized]
+        r.prompt_tokens, r.time_to_first_token = c.prompt_tokens, c.seconds
+        return r
+    res = outcome.result
+    if res is None:
+        r.finish_reason = "canceled" if outcome.status == "canceled" else "error"
+        return r
+    m = res.metrics
+    r.text, r.finish_reason = res.text, res.finish_reason
+    r.prompt_tokens, r.generated_tokens = m.prompt_tokens, m.generated_tokens
+    r.time_to_first_token, r.tokens_per_second = m.time_to_first_token, m.tokens_per_second
+    return r
+
+
+class _Goal:
+    """A goal handle and its core job; feedback and results go through here."""
+
+    def __init__(self, gh, job_args, choices: list[str], length_normalize: bool):
+        self.gh = gh
+        self.started = False
+        self.done = threading.Event()
+        self.t_first = 0.0
+        self.job = GoalJob(*job_args, cancel_requested=lambda: gh.is_cancel_requested,
+                           on_start=self._start, on_text=self._feedback, on_done=self._done,
+                           choices=choices, length_normalize=length_normalize)
+
+    def _start(self) -> None:
+        self.started = True
+        self.gh.execute()  # EXECUTING; rclpy schedules the execute callback (the node's _execute)
+
+    def _feedback(self, delta: str, tokens: int) -> None:
+        now = time.perf_counter()
+        if not self.t_first:
+            self.t_first = now
+        tps = (tokens - 1) / (now - self.t_first) if tokens > 1 and now > self.t_first else 0.0
+        self.gh.publish_feedback(Generate.Feedback(text_delta=delta, generated_tokens=tokens,
+                                                   tokens_per_second=tps))
+
+    def _done(self, outcome: Outcome) -> None:
+        if not self.started:  # ended while waiting: the execute callback still hands the result
+            self.started = True
+            self.gh.execute()
+        self.done.set()
+
+
+class InferenceNode(LifecycleNodeMixin, Node):
+    """The Generate action server over one loaded model (see the module docstring)."""
+
+    def __init__(self, node_name: str = "selectinfer_node", *, namespace: str = "llm", **kwargs):
+        Node.__init__(self, node_name, namespace=namespace, **kwargs)
+        # Lifecycle services in a reentrant group: get_state answers while configure loads.
+        LifecycleNodeMixin.__init__(self, callback_group=ReentrantCallbackGroup())
+        try:
+            self.settings: NodeSettings = declare(self, NodeSettings)
+            check_model_files(self.settings.model, self.settings.profiles, self.settings.task,
+                              need_profiles=self._needs_profiles())
+        except ParamError as e:
+            self.get_logger().error(f"refusing to start: {e}")
+            Node.destroy_node(self)
+            raise
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+        self._lock = threading.Lock()
+        self._goals: dict[bytes, _Goal] = {}
+        self._executing = 0  # execute callbacks not returned yet
+        self.server = Server(self.settings.queue_length, log=self.get_logger().info)
+        self.server.on_switch = lambda report: self._publish_loaded()
+        self.server.start()
+        self._goal_group = ReentrantCallbackGroup()
+        self._reload_group = ReentrantCallbackGroup()
+        self._diag_group = MutuallyExclusiveCallbackGroup()
+        self._action_server: SafeActionServer | None = None
+        self._reload_srv = None
+        self._loaded_pub = self.create_publisher(ActiveProfile, "loaded_profile", LATCHED)
+        self._diag_pubs = [self.create_publisher(DiagnosticArray, "diagnostics", 10)]
+        if _resolve(self, "diagnostics") != "/diagnostics":
+            self._diag_pubs.append(self.create_publisher(DiagnosticArray, "/diagnostics", 10))
+        self._diag_timer = self.create_timer(self.settings.diagnostics_period,
+                                             self.publish_diagnostics, callback_group=self._diag_group)
+
+    def _needs_profiles(self) -> bool:
+        s = self.settings
+        return (s.load_ratio < 1.0 or s.memory_budget_mb > 0) and s.selection != "random"
+
+    # ---- public helpers (bringup, demo, tests) -------------------------------------------
+    @property
+    def runtime(self):
+        """The loaded Runtime, or None (unconfigured, loading, after a failed load)."""
+        return self.server.runtime
+
+    @property
+    def load_error(self) -> str:
+        return self.server.state if self.server.state.startswith("load failed") else ""
+
+    @property
+    def lifecycle_state(self) -> str:
+        """``unconfigured``, ``inactive``, ``active``, ``configuring``, ... (the state's label)."""
+        return self._state_machine.current_state[1]
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def on_configure(self, state) -> TransitionCallbackReturn:
+        from ...core.serving.runtime import Runtime
+        log = self.get_logger()
+        s = self.settings
+        log.info(f"configuring: loading {s.model or 'the embedded Gemma 3 270M'} on {s.device} "
+                 f"(the lifecycle services keep answering)")
+        try:
+            rt = self.server.load(lambda: Runtime(s, log=log.info))
+        except Exception as e:  # noqa: BLE001 - reported, the node stays unconfigured
+            log.error(f"configure failed: {type(e).__name__}: {e}")
+            return TransitionCallbackReturn.FAILURE
+        log.info(f"loaded {rt.model_id} on {rt.device}: task {rt.task or '-'}, load_ratio "
+                 f"{rt.load_ratio:g}, compute_ratio {rt.compute_ratio:g}, "
+                 f"{rt.bytes_read / 2**20:.1f} MiB read in {rt.load_seconds:.2f} s")
+        self._publish_loaded()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state) -> TransitionCallbackReturn:
+        if self.server.runtime is None:
+            self.get_logger().error("activate refused: no model loaded")
+            return TransitionCallbackReturn.FAILURE
+        self.server.queue_length = self.settings.queue_length
+        self.server.accepting = True
+        self._action_server = SafeActionServer(
+            self, Generate, "generate",
+            goal_callback=self._on_goal, handle_accepted_callback=self._on_accepted,
+            cancel_callback=self._on_cancel, execute_callback=self._execute,
+            callback_group=self._goal_group)
+        self._reload_srv = self.create_service(ReloadBase, "reload_base", self._on_reload_base,
+                                               callback_group=self._reload_group)
+        self.get_logger().info(f"active: serving {_resolve(self, 'generate')}")
+        return super().on_activate(state)
+
+    def on_deactivate(self, state) -> TransitionCallbackReturn:
+        self._stop_serving("node deactivating")
+        self.get_logger().info("inactive: goals are not served")
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state) -> TransitionCallbackReturn:
+        self.server.unload()
+        self.get_logger().info("unconfigured: model freed")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state) -> TransitionCallbackReturn:
+        self._stop_serving("node shutting down")
+        self.server.unload()
+        return TransitionCallbackReturn.SUCCESS
+
+    def _stop_serving(self, reason: str) -> None:
+        """Abort every goal with ``reason``, let the results go out, remove the servers."""
+        if not self.server.drain(reason, timeout=30.0):
+            self.get_logger().warning(f"{reason}: a goal did not end within 30 s")
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._executing:
+                    break
+            time.sleep(0.01)
+        if self._action_server is not None:
+            time.sleep(RESULT_GRACE)
+            self._action_server.destroy()
+            self._action_server = None
+        if self._reload_srv is not None:
+            self.destroy_service(self._reload_srv)
+            self._reload_srv = None
+
+    # ---- action callbacks (executor threads: answer at once) ------------------------------
+    def _on_goal(self, goal) -> GoalResponse:
+        try:
+            rt = self.server.runtime
+            if rt is None:
+                raise Rejected("NO_MODEL", f"no model loaded ({self.server.state})")
+            goal_config(goal, self.settings, rt)
+            tokens = self.server.check_prompt(goal.prompt, bool(goal.use_chat_template))
+            if goal.choices:
+                self.server.check_choices(list(goal.choices), tokens)
+            self.server.admit()
+            return GoalResponse.ACCEPT
+        except Rejected as e:
+            self.server.note_rejection(e)
+            self.get_logger().warning(f"goal rejected ({e.code}): {e.reason}")
+            return GoalResponse.REJECT
+
+    def _on_accepted(self, gh) -> None:
+        goal = gh.request
+        try:
+            rt = self.server.runtime
+            if rt is None:
+                raise Rejected("NO_MODEL", f"no model loaded ({self.server.state})")
+            cfg, phi = goal_config(goal, self.settings, rt)
+            refused = None
+        except Rejected as e:  # validated a moment ago; only a vanished model gets here
+            cfg, phi, refused = None, 0.0, e
+        g = _Goal(gh, (goal.prompt, cfg, goal.task, phi), list(goal.choices),
+                  bool(goal.length_normalize))
+        g.job.refused = refused
+        with self._lock:
+            self._goals[bytes(gh.goal_id.uuid)] = g
+        self.server.submit(g.job)
+
+    def _on_cancel(self, gh) -> CancelResponse:
+        with self._lock:
+            g = self._goals.get(bytes(gh.goal_id.uuid))
+        if g is not None:
+            self.server.cancel(g.job)  # a waiting goal leaves the queue now
+        return CancelResponse.ACCEPT
+
+    def _execute(self, gh):
+        """The rclpy execute callback: waits for the worker's outcome of this goal, sets the
+        goal's final state and hands the result to the action server."""
+        key = bytes(gh.goal_id.uuid)
+        with self._lock:
+            g = self._goals.get(key)
+            self._executing += 1
+        try:
+            if g is None:
+                gh.abort()
+                return R(error_code=R.UNKNOWN, error_msg="goal not found", finish_reason="error")
+            g.done.wait()
+            outcome = g.job.outcome
+            if outcome.status == "succeeded":
+                gh.succeed()
+            elif outcome.status == "canceled":
+                deadline = time.monotonic() + 2.0  # a cancel that emptied the queue: CANCELING
+                while not gh.is_cancel_requested and time.monotonic() < deadline:
+                    time.sleep(0.002)
+                gh.canceled() if gh.is_cancel_requested else gh.abort()
+            else:
+                self.get_logger().warning(f"goal aborted ({outcome.code}): {outcome.message}")
+                gh.abort()
+            return result_message(outcome)
+        finally:
+            with self._lock:
+                self._goals.pop(key, None)
+                self._executing -= 1
+
+    # ---- base reloads ---------------------------------------------------------------------
+    def _on_reload_base(self, request, response):
+        task = request.task.strip()
+        timeout = request.timeout if request.timeout > 0 else self.settings.reload_timeout
+        try:
+            report = self.server.reload(task, timeout)
+            response.success = True
+            if report is None:
+                response.message = f"task {self.server.task!r} is active" + (" already" if task else "")
+                self._publish_loaded()
+            else:
+                response.message = (f"switched to {task!r}: {report.bytes_read} bytes read "
+                                    f"({report.neurons_read} neurons) in {report.seconds:.3f} s")
+                response.reload_seconds = float(report.seconds)
+                response.bytes_read = int(report.bytes_read)
+                response.neurons_read = int(report.neurons_read)
+        except (Rejected, TimeoutError, RuntimeError) as e:
+            response.success = False
+            response.message = e.reason if isinstance(e, Rejected) else str(e)
+            self.get_logger().warning(f"reload_base refused: {response.message}")
+        response.active_task = self.server.task
+        return response
+
+    def _publish_loaded(self) -> None:
+        rt = self.server.runtime
+        if rt is None:
+            return
+        msg = ActiveProfile(task=rt.task, model_id=rt.model_id, load_ratio=float(rt.load_ratio),
+                            static_ratio=float(rt.selective.static_ratio if rt.selective else 1.0))
+        msg.stamp = self.get_clock().now().to_msg()
+        self._loaded_pub.publish(msg)
+
+    # ---- parameters -----------------------------------------------------------------------
+    def _on_set_parameters(self, params) -> SetParametersResult:
+        from ...core.options import check_ratios
+        new, reason = apply_changes(self.settings, params)
+        rt = self.server.runtime
+        if reason is None and rt is not None and rt.selective is not None:
+            phi = new.compute_ratio if new.compute_ratio > 0 else rt.load_ratio
+            try:
+                check_ratios(rt.load_ratio, rt.selective.static_ratio, phi)
+            except ValueError as e:
+                reason = f"compute_ratio refused for the loaded model: {e}"
+        if reason is not None:
+            self.get_logger().warning(f"parameter change refused: {reason}")
+            return SetParametersResult(successful=False, reason=reason)
+        old, self.settings = self.settings, new
+        self.server.queue_length = new.queue_length
+        if new.diagnostics_period != old.diagnostics_period:
+            self.destroy_timer(self._diag_timer)
+            self._diag_timer = self.create_timer(new.diagnostics_period, self.publish_diagnostics,
+                                                 callback_group=self._diag_group)
+        return SetParametersResult(successful=True)
+
+    # ---- diagnostics ----------------------------------------------------------------------
+    def snapshot(self) -> diag.Snapshot:
+        rt = self.server.runtime
+        s = self.settings
+        srv = self.server
+        snap = diag.Snapshot(
+            node_name=self.get_name(), device=s.device, model_loaded=rt is not None,
+            model_state=srv.state, lifecycle_state=self.lifecycle_state,
+            memory_headroom_bytes=int(s.memory_headroom_mb * 2**20),
+            queue_depth=max(0, srv.waiting), queue_length=s.queue_length,
+            generating=srv.generating, rejected=srv.rejected_without_model,
+            last_rejection=srv.last_rejection)
+        if rt is None:
+            return snap
+        st = rt.stats
+        last = rt.last_switch
+        snap.device = str(rt.device)
+        snap.model_id = rt.model_id
+        snap.memory = rt.memory()
+        snap.load_ratio = float(rt.load_ratio)
+        snap.static_ratio = float(rt.selective.static_ratio if rt.selective else 1.0)
+        snap.compute_ratio = float(s.compute_ratio if s.compute_ratio > 0 else rt.load_ratio)
+        snap.active_task, snap.tasks = rt.task, tuple(rt.tasks)
+        snap.last_tokens_per_second = st.last_tokens_per_second
+        snap.average_tokens_per_second = st.average_tokens_per_second
+        snap.last_time_to_first_token = st.last_time_to_first_token
+        snap.succeeded, snap.canceled, snap.aborted = st.succeeded, st.canceled, st.aborted
+        snap.rejected += st.rejected
+        snap.switches = rt.switches
+        snap.last_reload_seconds = last.seconds if last else 0.0
+        snap.last_reload_bytes_read = last.bytes_read if last else 0
+        snap.full_load_seconds, snap.full_load_bytes_read = rt.load_seconds, rt.bytes_read
+        snap.expected_agreement = rt.expected_agreement(snap.compute_ratio)
+        snap.load_ratio_bound = rt.load_choice.bound
+        return snap
+
+    def publish_diagnostics(self) -> DiagnosticArray:
+        arr = diag.build_array(self.snapshot(), self.get_clock().now().to_msg())
+        for pub in self._diag_pubs:
+            pub.publish(arr)
+        return arr
+
+    # ---- shutdown -------------------------------------------------------------------------
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Abort every goal (the running one within one decode step) and end the worker; True
+        if it ended within ``timeout``. Call before the executor stops, so results go out."""
+        with self._lock:
+            serving = self._action_server is not None
+        if serving:
+            self._stop_serving("node shutting down")
+        return self.server.stop("node shutting down", timeout)
+
+    def destroy_node(self) -> None:
+        if not self.stop():
+            self.get_logger().warning("worker still busy (model loading?) at shutdown")
+        if self._action_server is not None:
+            self._action_server.destroy()
+            self._action_server = None
+        super().destroy_node()
+
+
+def main(args: list[str] | None = None) -> int:
+    exit_now(run_node(InferenceNode, "selectinfer_node", args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Runtime: options as the nodes and the CLI give them (memory budget, defaults)."""
+from __future__ import annotations
+
+import pytest
+
+from selectinfer_ros.core.options import ModelOptions, ParamError, from_values
+from selectinfer_ros.core.format.pack import read_manifest
+from selectinfer_ros.core.serving.runtime import Runtime
+
+
+def test_memory_budget_with_default_compute_ratio(tiny_models, tiny_profiles):
+    """compute_ratio left at its default follows the gamma the budget chose (it used to follow
+    the requested load_ratio and was refused: "compute_ratio must be in [0.3, 0.598], got 1.0")."""
+    _, packed = tiny_models["tiny-llama"]
+    m = read_manifest(packed)
+    rt0 = Runtime(ModelOptions(model=str(packed), profiles=str(tiny_profiles["tiny-llama"])))
+    other = rt0.memory()["other_weight_bytes"]
+    budget_mb = (other + 0.6 * m.ffn_bytes) / 2**20
+    rt = Runtime(ModelOptions(model=str(packed), profiles=str(tiny_profiles["tiny-llama"]),
+                              task="alpha", memory_budget_mb=budget_mb))
+    assert 0.5 < rt.load_ratio <= 0.6
+    assert rt.compute_ratio == rt.load_ratio
+    assert rt.selective.static_ratio == pytest.approx(0.3)
+    assert rt.memory()["weight_bytes"] <= budget_mb * 2**20
+    with pytest.raises(ValueError, match="compute_ratio 0.9 must not exceed it"):
+        Runtime(ModelOptions(model=str(packed), profiles=str(tiny_profiles["tiny-llama"]),
+                             memory_budget_mb=budget_mb, compute_ratio=0.9))
+
+
+def test_options_are_validated_in_one_place():
+    with pytest.raises(ParamError, match=r"load_ratio must be in \(0.0, 1.0\], got 1.5"):
+        from_values(ModelOptions, {"load_ratio": 1.5})
+    with pytest.raises(ParamError, match="selection must be one of"):
+        from_values(ModelOptions, {"selection": "best"})
+    with pytest.raises(ParamError, match="compute_ratio must be in"):
+        from_values(ModelOptions, {"load_ratio": 0.5, "compute_ratio": 0.8})
+    assert from_values(ModelOptions, {"static_ratio": -1.0}).effective_static_ratio == 0.3
+    assert from_values(ModelOptions, {"load_ratio": 1}).load_ratio == 1.0  # an int for a float
+
+
+def test_min_agreement_and_memory_budget_the_stricter_wins(embedded, embedded_profiles):
+    """gamma from the stored quality curve; a memory budget below it wins and says so."""
+    base = dict(model=str(embedded), profiles=str(embedded_profiles), task="qa")
+    logs: list[str] = []
+    rt = Runtime(ModelOptions(**base, min_agreement=0.6), log=logs.append)
+    curve = rt.selective.catalog.quality_curve("qa")
+    assert rt.load_choice.bound == "min_agreement" and rt.load_ratio == curve.load_ratio_for(0.6)
+    assert rt.expected_agreement() >= 0.6
+    assert any("min_agreement 0.60 -> load_ratio" in line for line in logs)
+    other = rt.memory()["other_weight_bytes"]
+    ffn_full = rt.memory()["ffn_weight_bytes"] / rt.load_ratio
+    tight_mb = (other + 0.5 * ffn_full) / 2**20  # room for about gamma 0.5
+    del rt
+    logs.clear()
+    rt = Runtime(ModelOptions(**base, min_agreement=0.99, memory_budget_mb=tight_mb),
+                 log=logs.append)
+    assert rt.load_choice.bound == "memory_budget" and rt.load_ratio <= 0.5
+    assert any("bound: memory_budget" in line for line in logs)

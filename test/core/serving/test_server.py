@@ -1,0 +1,235 @@
+"""The serving queue and worker without ROS: order, capacity, cancel, drain, reloads, prompt checks."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from selectinfer_ros.core.serving import server as serving
+from selectinfer_ros.core.execution.engine import GenerationConfig
+from selectinfer_ros.core.options import ModelOptions, NodeSettings
+from selectinfer_ros.core.serving.runtime import Runtime
+from selectinfer_ros.core.serving.server import GoalJob, Rejected, Server
+
+PROMPT = "w10 w11 w12 w13 w14 w15"
+
+
+@pytest.fixture
+def server(tiny_models, tiny_profiles):
+    _, packed = tiny_models["tiny-llama"]
+    opts = ModelOptions(model=str(packed), profiles=str(tiny_profiles["tiny-llama"]), task="alpha",
+                        load_ratio=0.7, compute_ratio=0.5, context_limit=64)
+    srv = Server(queue_length=1)
+    srv.start()
+    srv.load(lambda: Runtime(opts))
+    srv.accepting = True
+    yield srv
+    srv.stop(timeout=10.0)
+
+
+class Client:
+    """What an adapter does with a job: flags, streamed text, the outcome."""
+
+    def __init__(self, srv: Server, max_new_tokens: int = 8, task: str = "", gate=None,
+                 stop=(), cancel_after_polls: int | None = None):
+        self.cancel = False
+        self.polls = 0
+        self.cancel_after_polls = cancel_after_polls
+        self.texts: list[tuple[str, int]] = []
+        self.done = threading.Event()
+        self.started = threading.Event()
+        self.gate = gate  # an Event the first token waits on (keeps the goal running)
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True, stop=list(stop))
+        self.job = GoalJob(PROMPT, cfg, task, 0.5, self._cancel, self.started.set,
+                           self._text, lambda outcome: self.done.set())
+        srv.admit()
+        srv.submit(self.job)
+
+    def _cancel(self) -> bool:
+        self.polls += 1
+        limit = self.cancel_after_polls
+        return self.cancel or (limit is not None and self.polls > limit)
+
+    def _text(self, delta: str, tokens: int) -> None:
+        self.texts.append((delta, tokens))
+        if self.gate is not None:
+            self.gate.wait(30.0)
+
+    @property
+    def outcome(self):
+        assert self.done.wait(60.0), "goal did not end"
+        return self.job.outcome
+
+
+def test_goals_run_in_order_and_stream_token_counts(server):
+    a, b = Client(server), Client(server)
+    assert a.outcome.status == "succeeded" and b.outcome.status == "succeeded"
+    counts = [n for _, n in a.texts]
+    assert counts == sorted(counts) and counts[-1] == a.outcome.result.metrics.generated_tokens
+    assert "".join(t for t, _ in a.texts) == a.outcome.result.text
+    assert server.runtime.stats.succeeded == 2
+
+
+def test_queue_full_and_a_canceled_waiting_goal_frees_its_slot_at_once(server):
+    gate = threading.Event()
+    running = Client(server, max_new_tokens=20, gate=gate)
+    assert running.started.wait(10.0)
+    waiting = Client(server)  # queue_length 1: the one place left
+    with pytest.raises(Rejected) as e:
+        server.admit()
+    assert e.value.code == serving.QUEUE_FULL
+    assert server.cancel(waiting.job)  # leaves the queue now, not when it reaches the head
+    assert waiting.outcome.status == "canceled" and waiting.outcome.code == serving.CANCELED
+    again = Client(server)  # its slot is free while the first goal still runs
+    assert not running.done.is_set()
+    gate.set()
+    assert running.outcome.status == "succeeded" and again.outcome.status == "succeeded"
+    assert not waiting.started.is_set()  # never ran
+
+
+def test_running_goal_cancel_and_drain_end_within_a_step_with_the_reason(server):
+    gate = threading.Event()
+    a = Client(server, max_new_tokens=40, gate=gate)
+    assert a.started.wait(10.0)
+    b = Client(server)
+    a.cancel = True
+    gate.set()
+    assert a.outcome.status == "canceled" and a.outcome.message == "canceled by client"
+    assert a.outcome.result.metrics.generated_tokens < 40
+    assert b.outcome.status == "succeeded"
+
+    gate2 = threading.Event()
+    c = Client(server, max_new_tokens=40, gate=gate2)
+    assert c.started.wait(10.0)
+    d = Client(server)
+    t0 = time.monotonic()
+    threading.Timer(0.2, gate2.set).start()
+    assert server.drain("node deactivating", timeout=10.0)
+    assert time.monotonic() - t0 < 5.0
+    assert c.outcome.status == "aborted" and c.outcome.code == serving.NO_MODEL
+    assert c.outcome.message.startswith("node deactivating")
+    assert d.outcome.status == "aborted" and d.outcome.message == "node deactivating"
+    assert not d.started.is_set()
+    with pytest.raises(Rejected):
+        server.admit()  # drained: not accepting
+
+
+def test_canceled_result_holds_only_the_streamed_text(server):
+    """A stop string whose beginning the text ends with is held back; a cancel then must not
+    return that held-back text (the client never saw it)."""
+    probe = Client(server, max_new_tokens=1)
+    first = probe.outcome.result.text
+    assert first
+    # canceled right after the first token (polls: the worker's before starting, the engine's
+    # before prefill and after the first token), whose text is a prefix of the stop string
+    c = Client(server, max_new_tokens=10, stop=[first + "\x00never"], cancel_after_polls=3)
+    out = c.outcome
+    assert out.status == "canceled"
+    held = server.runtime.engine.tokenizer.decode(out.result.token_ids, skip_special_tokens=True)
+    assert held.startswith(first)  # the model did produce text, all of it held back
+    assert out.result.text == "".join(t for t, _ in c.texts) == ""
+
+
+def test_reload_waits_in_the_queue_is_abandoned_on_timeout_and_never_runs_late(server):
+    gate = threading.Event()
+    running = Client(server, max_new_tokens=10, gate=gate)
+    assert running.started.wait(10.0)
+    with pytest.raises(TimeoutError, match="abandoned"):
+        server.reload("beta", timeout=0.3)
+    gate.set()
+    assert running.outcome.status == "succeeded"
+    assert server.wait_idle(10.0)
+    time.sleep(0.2)
+    assert server.task == "alpha"  # the abandoned reload did not run afterwards
+    report = server.reload("beta", timeout=0.001)  # nothing ahead: starts at once, completes
+    assert report is not None and report.task == "beta" and server.task == "beta"
+    assert server.reload("beta", timeout=1.0) is None  # already active
+    with pytest.raises(Rejected) as e:
+        server.reload("gamma", timeout=5.0)
+    assert e.value.code == serving.UNKNOWN_TASK and server.task == "beta"
+
+
+def test_reload_of_the_active_task_answers_at_once_while_a_goal_runs(server):
+    """A profile manager activating on the task the node already runs must not wait for the
+    goal in flight (a bringup did, and a Ctrl-C then waited for the whole generation); a reload
+    queued ahead keeps the order."""
+    gate = threading.Event()
+    running = Client(server, max_new_tokens=10, gate=gate)
+    assert running.started.wait(10.0)
+    t0 = time.monotonic()
+    assert server.reload("alpha", timeout=5.0) is None
+    assert server.reload("", timeout=5.0) is None
+    assert time.monotonic() - t0 < 1.0 and running.job.outcome is None
+    box = {}
+    ahead = threading.Thread(target=lambda: box.update(r=server.reload("beta", timeout=30.0)))
+    ahead.start()
+    time.sleep(0.1)
+    behind = threading.Thread(target=lambda: box.update(a=server.reload("alpha", timeout=30.0)))
+    behind.start()
+    time.sleep(0.2)
+    assert "a" not in box  # waits behind the queued switch to beta
+    gate.set()
+    ahead.join(30.0)
+    behind.join(30.0)
+    assert box["r"].task == "beta" and box["a"].task == "alpha" and server.task == "alpha"
+    assert running.outcome.status == "succeeded"
+
+
+def test_a_started_reload_completes_before_its_caller_hears_back(server, monkeypatch):
+    rt = server.runtime
+    real = rt.switch_task
+    entered = threading.Event()
+
+    def slow_switch(task):
+        entered.set()
+        time.sleep(0.5)
+        return real(task)
+
+    monkeypatch.setattr(rt, "switch_task", slow_switch)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=server.reload("beta", timeout=0.05)))
+    t.start()
+    assert entered.wait(5.0)
+    t.join(10.0)
+    assert box["r"].task == "beta" and server.task == "beta"
+
+
+def test_prompt_checks_use_their_own_tokenizer_and_never_skip(server, monkeypatch):
+    too_long = " ".join(f"w{i}" for i in range(200))
+    gate = threading.Event()
+    busy = Client(server, max_new_tokens=30, gate=gate)
+    assert busy.started.wait(10.0)
+    for _ in range(50):  # the worker is generating meanwhile: the answer never changes
+        with pytest.raises(Rejected) as e:
+            server.check_prompt(too_long, False)
+        assert e.value.code == serving.PROMPT_TOO_LONG
+    assert server.check_prompt(PROMPT, False) == 7
+    assert server._check_tokenizer is not server.runtime.engine.tokenizer
+    gate.set()
+    busy.outcome
+
+    def broken(*a, **k):
+        raise RuntimeError("Already borrowed")
+
+    monkeypatch.setattr(serving, "encode", broken)
+    with pytest.raises(Rejected) as e:  # a tokenizer failure rejects, it never skips the check
+        server.check_prompt(PROMPT, False)
+    assert e.value.code == serving.INVALID_GOAL and "Already borrowed" in e.value.reason
+
+
+def test_goal_config_refuses_with_reasons(server):
+    s = NodeSettings(max_new_tokens=8, max_new_tokens_limit=64, load_ratio=0.7, compute_ratio=0.5)
+    base = dict(prompt=PROMPT, task="", max_new_tokens=0, temperature=0.0, top_k=0, top_p=0.0,
+                repetition_penalty=0.0, seed=-1, stop=[], use_chat_template=False,
+                compute_ratio=0.0)
+    cfg, phi = serving.goal_config(SimpleNamespace(**base), s, server.runtime)
+    assert cfg.max_new_tokens == 8 and phi == pytest.approx(0.5)
+    for over, code, needle in [(dict(prompt=" "), serving.INVALID_GOAL, "empty prompt"),
+                               (dict(task="gamma"), serving.UNKNOWN_TASK, "unknown task"),
+                               (dict(max_new_tokens=65), serving.INVALID_GOAL, "exceeds"),
+                               (dict(compute_ratio=0.9), serving.INVALID_GOAL, "compute_ratio")]:
+        with pytest.raises(Rejected) as e:
+            serving.goal_config(SimpleNamespace(**{**base, **over}), s, server.runtime)
+        assert e.value.code == code and needle in e.value.reason

@@ -1,0 +1,117 @@
+"""The `selectinfer` command line: generate (--json, --prompts, --dense), pack, profile show."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "selectinfer_ros.cli", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_generate_json_has_the_documented_keys(tiny_models, tiny_profiles):
+    _, packed = tiny_models["tiny-qwen2"]
+    out = _cli("generate", "--model", str(packed), "--profiles", str(tiny_profiles["tiny-qwen2"]),
+               "--task", "alpha", "--load-ratio", "0.7", "--compute-ratio", "0.5", "--json",
+               "--max-new-tokens", "6", "w5 w6 w7")
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    for key in ("text", "prompt_tokens", "generated_tokens", "tokens_per_second", "time_to_first_token",
+                "weight_bytes", "ffn_weight_bytes", "bytes_read", "load_seconds"):
+        assert key in res
+    assert res["prompt_tokens"] == 4 and 1 <= res["generated_tokens"] <= 6
+    assert res["load_ratio"] == 0.7 and res["compute_ratio"] == 0.5 and res["task"] == "alpha"
+
+
+def test_prompts_file_and_dense_give_one_line_per_prompt(tiny_models, tmp_path):
+    _, packed = tiny_models["tiny-llama"]
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": f"w{i} w{i + 1}"}) for i in range(5, 8)) + "\n")
+    dense = _cli("generate", "--model", str(packed), "--dense", "--prompts", str(f), "--max-new-tokens", "5")
+    full = _cli("generate", "--model", str(packed), "--prompts", str(f), "--max-new-tokens", "5")
+    assert dense.returncode == 0 and full.returncode == 0, dense.stderr + full.stderr
+    a = [json.loads(line) for line in dense.stdout.splitlines()]
+    b = [json.loads(line) for line in full.stdout.splitlines()]
+    assert len(a) == len(b) == 3
+    assert [r["text"] for r in a] == [r["text"] for r in b]  # gamma = phi = 1 is exact
+
+
+def test_bad_ratio_is_refused_with_a_reason(tiny_models, tiny_profiles):
+    _, packed = tiny_models["tiny-llama"]
+    out = _cli("generate", "--model", str(packed), "--profiles", str(tiny_profiles["tiny-llama"]),
+               "--load-ratio", "0.5", "--compute-ratio", "0.8", "w5")
+    assert out.returncode == 2
+    assert "compute_ratio must be in" in out.stderr
+
+
+def test_profile_show_summarises_shipped_profiles(embedded_profiles):
+    out = _cli("profile", "show", str(embedded_profiles))
+    assert out.returncode == 0, out.stderr
+    assert "task qa" in out.stdout and "base-set overlap" in out.stdout
+
+
+def test_console_script_is_on_path_after_env():
+    """`selectinfer ...` works as the README writes it after `source scripts/env.sh`."""
+    import shutil
+    exe = shutil.which("selectinfer")
+    assert exe, "selectinfer not on PATH (scripts/setup.sh writes it into .venv/bin)"
+    out = subprocess.run([exe, "generate", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--load-ratio" in out.stdout and "--no-escape" in out.stdout
+
+
+def test_escape_sequences_in_command_line_prompts(tiny_models):
+    from selectinfer_ros.core.execution.escapes import process_escapes
+    assert process_escapes(r"Question: Why?\nAnswer:") == "Question: Why?\nAnswer:"
+    assert process_escapes(r"a\tb\\n\x41\q") == "a\tb\\nA\\q"
+    _, packed = tiny_models["tiny-llama"]
+    runs = {}
+    for flags in ((), ("--no-escape",)):
+        out = _cli("generate", "--model", str(packed), "--json", "--max-new-tokens", "1",
+                   *flags, r"w5\nw6")
+        assert out.returncode == 0, out.stderr
+        runs[flags] = json.loads(out.stdout)["prompt_tokens"]
+    from selectinfer_ros.core.format.tokenizer import load_tokenizer
+    tok = load_tokenizer(packed)
+    assert runs[()] == len(tok("w5\nw6")["input_ids"])
+    assert runs[("--no-escape",)] == len(tok(r"w5\nw6")["input_ids"])
+    assert runs[()] != runs[("--no-escape",)]
+
+
+def test_verify_command(tiny_models):
+    _, packed = tiny_models["tiny-qwen2"]
+    out = _cli("verify", str(packed))
+    assert out.returncode == 0 and "intact" in out.stderr
+
+
+def test_users_own_task_from_plain_text_gets_a_curve_and_min_agreement_uses_it(tiny_models, tiny_profiles,
+                                                                              tmp_path):
+    """`profile --task my_task --data my_prompts.txt`: plain text lines, a quality curve measured on
+    held-out lines, shown by `profile show`; `generate --min-agreement` picks gamma from it."""
+    import shutil
+    _, packed = tiny_models["tiny-llama"]
+    d = tmp_path / "profiles"
+    shutil.copytree(tiny_profiles["tiny-llama"], d)
+    prompts = tmp_path / "my_prompts.txt"
+    prompts.write_text("\n".join(f"w{i} w{i + 3} w{i + 7} w{i + 1} w{i + 2} w{i + 9}" for i in range(5, 25)) + "\n")
+    out = _cli("profile", str(packed), "--task", "my_task", "--data", str(prompts), "--out", str(d),
+               "--threads", "1")
+    assert out.returncode == 0, out.stderr
+    assert "task my_task: next-token agreement with dense" in out.stdout
+    assert (d / "my_task.safetensors").exists()
+    plot = tmp_path / "curves.png"
+    show = _cli("profile", "show", str(d), "--plot", str(plot))
+    assert show.returncode == 0, show.stderr
+    assert "task my_task: next-token agreement" in show.stdout and plot.stat().st_size > 0
+    gen = _cli("generate", "--model", str(packed), "--profiles", str(d), "--task", "my_task",
+               "--min-agreement", "0.5", "--json", "--max-new-tokens", "2", "w5 w6")
+    assert gen.returncode == 0, gen.stderr
+    assert "min_agreement 0.50 -> load_ratio" in gen.stderr
+    res = json.loads(gen.stdout)
+    from selectinfer_ros.core.selection.profiles import load_profile
+    curve = load_profile(d / "my_task.safetensors").quality_curve()
+    assert res["task"] == "my_task" and res["load_ratio"] == curve.load_ratio_for(0.5)
+    both = _cli("generate", "--model", str(packed), "--profiles", str(d), "--task", "my_task",
+                "--min-agreement", "1.0", "--memory-budget", "0.0001", "--json", "w5")
+    assert "bound: memory_budget" in both.stderr or "leaves no room" in both.stderr
