@@ -1,4 +1,8 @@
-"""``selectinfer``: pack, profile, generate, bench and eval from the command line."""
+"""``selectinfer``: pack, profile, generate, verify, bench and eval from the command line.
+
+Building the parser imports no torch, transformers or numpy (``selectinfer --help`` answers at
+once): every command imports what it needs when it runs.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,10 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from .core.execution.engine import GenerationConfig
 from .core.execution.escapes import process_escapes
-from .core.options import ModelOptions, ParamError, add_arguments, from_namespace
-from .core.format.pack import WEIGHTS
+from .core.options import ModelOptions, ParamError, add_arguments, add_option, from_namespace
 from .core.format.progress import log_line as _log
 
 
@@ -19,8 +21,10 @@ def _model_path(arg: str | None) -> str:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model options (one per :class:`ModelOptions` field: --model, --load-ratio, ...)."""
-    add_arguments(p, ModelOptions)
+    """The model options (one per :class:`ModelOptions` field: --model, --load-ratio, ...;
+    ``num_threads`` is spelled ``--threads`` as in every other subcommand)."""
+    add_arguments(p, ModelOptions, skip=("num_threads",))
+    add_option(p, ModelOptions, "num_threads", "--threads")
 
 
 def runtime_from_args(args: argparse.Namespace, dense: bool = False):
@@ -106,11 +110,7 @@ def format_curve(task: str, curve) -> str:
 def cmd_profile_show(argv: list[str]) -> int:
     from .core.selection.profiles import load_profile
     from .core.profiling.profiler import summarize
-    p = argparse.ArgumentParser(prog="selectinfer profile show")
-    p.add_argument("dir", help="profiles folder (profiles/<model-id>)")
-    p.add_argument("--static-ratio", type=float, default=0.3)
-    p.add_argument("--plot", help="write the quality curves of every task to this PNG file")
-    args = p.parse_args(argv)
+    args = profile_show_parser().parse_args(argv)
     profs = {f.stem: load_profile(f) for f in sorted(Path(args.dir).glob("*.safetensors"))}
     if not profs:
         print(f"no profiles in {args.dir}", file=sys.stderr)
@@ -132,7 +132,8 @@ def _text(args: argparse.Namespace, text: str) -> str:
     return text if args.no_escape else process_escapes(text)
 
 
-def _gen_config(args: argparse.Namespace, **over) -> GenerationConfig:
+def _gen_config(args: argparse.Namespace, **over):
+    from .core.execution.engine import GenerationConfig
     return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p,
                             repetition_penalty=args.repetition_penalty, seed=args.seed,
@@ -243,31 +244,50 @@ def cmd_make_random(args: argparse.Namespace) -> int:
     return 0
 
 
+def profile_show_parser() -> argparse.ArgumentParser:
+    """``selectinfer profile show``: its own parser (``profile --help`` lists it)."""
+    p = argparse.ArgumentParser(prog="selectinfer profile show",
+                                description="summarise a profiles folder: top neurons, task "
+                                            "overlap, the stored quality curves")
+    p.add_argument("dir", help="profiles folder (profiles/<model-id>)")
+    p.add_argument("--static-ratio", type=float, default=0.3,
+                   help="delta used for the base-set overlap (default 0.3)")
+    p.add_argument("--plot", help="write the quality curves of every task to this PNG file")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="selectinfer", description="SelectInfer: selective neuron "
-                                 "loading and computation for gated-MLP LLMs")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+                                 "loading and computation for gated-MLP LLMs. Without --model, "
+                                 "commands use the embedded Gemma 3 270M.")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     p = sub.add_parser("pack", help="convert a Hugging Face checkpoint to the packed layout")
-    p.add_argument("hf_dir")
-    p.add_argument("out_dir")
-    p.add_argument("--model-id")
+    p.add_argument("hf_dir", help="Hugging Face checkpoint folder (config.json, *.safetensors)")
+    p.add_argument("out_dir", help="packed model folder to write")
+    p.add_argument("--model-id", help="name stored in the manifest (default: the folder name)")
     p.add_argument("--dtype", help="float dtype of what is not int8 (default: the checkpoint's)")
-    p.add_argument("--weights", choices=WEIGHTS, default="float",
-                   help="int8: neuron records, attention and output layer as int8 rows with "
-                        "per-row scales; int8-ffn: only the neuron records")
+    p.add_argument("--weights", default="float", metavar="{float,int8,int8-ffn}",
+                   help="float (default); int8: neuron records, attention and output layer as "
+                        "int8 rows with per-row scales; int8-ffn: only the neuron records")
     p.set_defaults(func=cmd_pack)
 
-    p = sub.add_parser("profile", help="profile a task (`selectinfer profile show DIR` summarises)")
-    p.add_argument("model", nargs="?", help="packed model folder (default: embedded model)")
+    show = profile_show_parser()
+    p = sub.add_parser("profile", help="profile a task, measure its quality curve "
+                                       "(`profile show DIR` summarises a folder)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="summarise a profiles folder:\n  " + show.format_help()
+                       .replace("\n", "\n  ").rstrip())
+    add_option(p, ModelOptions, "model", default=None)
     p.add_argument("--task", required=True, help="task name (the profile file is TASK.safetensors)")
     p.add_argument("--data", required=True, nargs="+",
                    help="prompt files: JSONL ({prompt, reference} or {text}) or plain text lines")
     p.add_argument("--heldout", nargs="+", help="held-out prompt files for the quality curve "
                    "(default: every 5th record of --data, not profiled)")
     p.add_argument("--out", help="profiles folder (default profiles/<model-id>)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per forward (default 8)")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="tokens per prompt, longer ones truncated (default 256)")
     p.add_argument("--normalize", default="none", choices=["none", "token"],
                    help="token: every token weighs the same in the scores")
     p.add_argument("--no-sensitivity", action="store_true",
@@ -275,25 +295,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-curve", action="store_true", help="skip the quality curve")
     p.add_argument("--curve-only", action="store_true",
                    help="re-measure the quality curve of the existing profile (e.g. after adding tasks)")
-    p.add_argument("--selection", default="auto", help="selection the curve is measured with")
-    p.add_argument("--alpha", type=float, default=0.2)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype")
-    p.add_argument("--threads", type=int)
+    add_option(p, ModelOptions, "selection", help="selection the curve is measured with")
+    add_option(p, ModelOptions, "alpha")
+    add_option(p, ModelOptions, "device")
+    add_option(p, ModelOptions, "dtype", default=None)
+    add_option(p, ModelOptions, "num_threads", "--threads", default=None)
     p.set_defaults(func=cmd_profile)
 
-    p = sub.add_parser("generate", help="generate text (streams, then prints metrics)")
+    p = sub.add_parser("generate", help="generate text (streams, then prints metrics), or pick "
+                                        "one of --choices")
     add_model_args(p)
-    p.add_argument("prompt", nargs="?")
+    p.add_argument("prompt", nargs="?", help="the prompt (or --prompts FILE)")
     p.add_argument("--prompts", help="JSONL file of prompts: one JSON result per line")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--dense", action="store_true", help="the unmodified transformers model")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default 1)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default 1)")
+    p.add_argument("--seed", type=int, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="apply the chat template")
     p.add_argument("--no-escape", action="store_true", help="keep \\n, \\t, \\xHH ... in the "
@@ -306,20 +328,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="check every neuron record and tensor of a packed model "
                                       "against its checksums")
-    p.add_argument("model", nargs="?", help="packed model folder (default: the embedded model)")
+    add_option(p, ModelOptions, "model", default=None)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("make-random", help="random-weight model with real shapes, packed")
-    p.add_argument("preset")
-    p.add_argument("out")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("preset", help="llama-3.2-1b, llama-3.2-3b, qwen2.5-3b, tiny-llama, "
+                                  "tiny-qwen2 or tiny-gemma3")
+    p.add_argument("out", help="folder: OUT/hf (checkpoint) and OUT/packed")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="(default bfloat16)")
+    p.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     p.set_defaults(func=cmd_make_random)
 
-    from .lab import bench, choice_eval, evaluate
-    bench.register(sub)
-    evaluate.register(sub)
-    choice_eval.register(sub)
+    from .lab import commands
+    commands.register(sub)
     return ap
 
 

@@ -81,7 +81,7 @@ def test_escape_sequences_in_command_line_prompts(tiny_models):
 
 def test_verify_command(tiny_models):
     _, packed = tiny_models["tiny-qwen2"]
-    out = _cli("verify", str(packed))
+    out = _cli("verify", "--model", str(packed))
     assert out.returncode == 0 and "intact" in out.stderr
 
 
@@ -95,7 +95,7 @@ def test_users_own_task_from_plain_text_gets_a_curve_and_min_agreement_uses_it(t
     shutil.copytree(tiny_profiles["tiny-llama"], d)
     prompts = tmp_path / "my_prompts.txt"
     prompts.write_text("\n".join(f"w{i} w{i + 3} w{i + 7} w{i + 1} w{i + 2} w{i + 9}" for i in range(5, 25)) + "\n")
-    out = _cli("profile", str(packed), "--task", "my_task", "--data", str(prompts), "--out", str(d),
+    out = _cli("profile", "--model", str(packed), "--task", "my_task", "--data", str(prompts), "--out", str(d),
                "--threads", "1")
     assert out.returncode == 0, out.stderr
     assert "task my_task: next-token agreement with dense" in out.stdout
@@ -115,3 +115,61 @@ def test_users_own_task_from_plain_text_gets_a_curve_and_min_agreement_uses_it(t
     both = _cli("generate", "--model", str(packed), "--profiles", str(d), "--task", "my_task",
                 "--min-agreement", "1.0", "--memory-budget", "0.0001", "--json", "w5")
     assert "bound: memory_budget" in both.stderr or "leaves no room" in both.stderr
+
+
+def _subcommands() -> dict:
+    """``{name: parser}`` of every ``selectinfer`` subcommand, ``profile show`` included."""
+    import argparse
+
+    from selectinfer_ros.cli import build_parser, profile_show_parser
+    ap = build_parser()
+    sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+    return {**sub.choices, "profile show": profile_show_parser()}
+
+
+def test_every_option_of_every_subcommand_has_help():
+    import argparse
+    missing = [f"{name} {a.option_strings or a.dest}" for name, p in _subcommands().items()
+               for a in p._actions if not isinstance(a, argparse._HelpAction)
+               and (not a.help or a.help == argparse.SUPPRESS)]
+    assert missing == []
+    assert len(_subcommands()) >= 9
+
+
+def test_one_spelling_per_concept_across_subcommands():
+    """--model and --threads everywhere (no positional model, no --num-threads); --grid G,P lists
+    pairs and single ratios are --load-ratio/--compute-ratio."""
+    cmds = _subcommands()
+    flags = {name: {s for a in p._actions for s in a.option_strings} for name, p in cmds.items()}
+    positionals = {name: [a.dest for a in p._actions if not a.option_strings] for name, p in cmds.items()}
+    assert all("--num-threads" not in f for f in flags.values())
+    assert all("model" not in pos for pos in positionals.values())
+    for name in ("profile", "generate", "verify", "bench", "eval", "eval-choices"):
+        assert "--model" in flags[name], name
+    for name in ("profile", "generate", "bench", "eval", "eval-choices"):
+        assert "--threads" in flags[name], name
+    assert {"--load-ratio", "--compute-ratio"} <= flags["generate"] and "--grid" not in flags["generate"]
+    for name in ("bench", "eval", "eval-choices"):
+        assert "--grid" in flags[name] and "--load-ratio" not in flags[name], name
+    threads = {name: next(a for a in cmds[name]._actions if "--threads" in a.option_strings).dest
+               for name in ("profile", "generate", "bench", "eval", "eval-choices")}
+    assert set(threads.values()) == {"num_threads"}
+
+
+def test_profile_help_lists_profile_show():
+    out = _cli("profile", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "selectinfer profile show" in out.stdout and "--plot" in out.stdout
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`selectinfer --help` builds the whole parser (every subcommand, lab's included) without
+    importing torch, transformers or numpy: -X importtime lists every module imported."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "selectinfer_ros.cli", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "eval-choices" in out.stdout, out.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines()
+                if line.startswith("import time:") and "|" in line}
+    assert "selectinfer_ros.lab.commands" in imported  # the lab's options were built
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "transformers", "numpy"))
+    assert heavy == []

@@ -264,6 +264,20 @@ def add_arguments(ap: argparse.ArgumentParser, cls=ModelOptions, skip: tuple[str
                             help=f"{help_text} (default {default!r})")
 
 
+def add_option(ap: argparse.ArgumentParser, cls, name: str, *flags: str, **over: Any) -> None:
+    """One option for field ``name`` of ``cls`` (flags default to ``--field-name``); type,
+    default and help come from the field, ``over`` replaces any of them (e.g. ``default=None``)."""
+    f = {f.name: f for f in fields(cls)}[name]
+    flags = flags or ("--" + name.replace("_", "-"),)
+    kw: dict[str, Any] = dict(dest=name, type=kind_of(f), default=f.default,
+                              help=f.metadata.get("doc", ""),
+                              metavar=flags[0].lstrip("-").replace("-", "_").upper())
+    kw.update(over)
+    if kw["default"] not in (None, "", False):
+        kw["help"] = f"{kw['help']} (default {kw['default']!r})"
+    ap.add_argument(*flags, **kw)
+
+
 def from_namespace(cls, args: argparse.Namespace, **over):
     """``cls`` from parsed ``add_arguments`` options (plus ``over``), validated."""
     values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}

@@ -453,29 +453,3 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       title=f"{rows[0]['model']}: decode speed vs resident weights")
         print(f"wrote {out / 'bench.json'} and {out / 'bench_speed_vs_memory.png'}")
     return 0
-
-
-def register(sub) -> None:
-    p = sub.add_parser("bench", help="speed and memory of dense, SelectInfer and quantized, interleaved")
-    p.add_argument("--model", help="packed model folder (default: embedded model)")
-    p.add_argument("--preset", help="random-weight model with a real config (llama-3.2-1b, ...)")
-    p.add_argument("--profiles")
-    p.add_argument("--task", default="")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--grid", nargs="+", help="gamma,phi pairs (default: 1,1 0.9,0.7 0.7,0.7 0.7,0.5 0.5,0.35)")
-    p.add_argument("--weights", nargs="+", choices=["float", "int8"], default=None,
-                   help="SelectInfer rows over float and/or int8 neuron records (default: both; "
-                        "--quick: float)")
-    p.add_argument("--no-quant", action="store_true", help="skip torch int8/int4 weight-only")
-    p.add_argument("--llama-cpp", help="llama.cpp build folder with llama-bench and llama-quantize, "
-                   "or `auto`: the build of scripts/build_llama_cpp.sh; adds Q8_0, F16 and Q4_K_M "
-                   "rows of the same weights to the same interleaved run (embedded model, --preset)")
-    p.add_argument("--quick", action="store_true", help="small grid, few tokens (CI)")
-    p.add_argument("--out", help="folder for bench.json and the plot")
-    p.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
-    p.set_defaults(func=cmd_bench)

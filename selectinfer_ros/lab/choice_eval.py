@@ -141,20 +141,3 @@ def format_table(report: dict) -> str:
             f"{s['choose_seconds_median']:.3f} | {s['ttft_median']:.3f} | "
             f"{s['ratio_median_4_options'] or 0:.2f} | - |")
     return "\n".join(lines)
-
-
-def register(sub) -> None:
-    p = sub.add_parser("eval-choices", help="multiple-choice answers vs free text, dense vs "
-                                            "SelectInfer (data/eval/choices.jsonl)")
-    p.add_argument("--model", help="packed model folder (default: the embedded Gemma 3 270M)")
-    p.add_argument("--profiles", help="profiles folder (default: profiles/<model-id>)")
-    p.add_argument("--data", default=str(DATA), help="JSONL: prompt, options, answer, task")
-    p.add_argument("--grid", nargs="+", default=["0.7,0.7", "0.7,0.5"], help="gamma,phi pairs")
-    p.add_argument("--limit", type=int, help="first N items only")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="free-text answer length")
-    p.add_argument("--repeats", type=int, default=5, help="room latency probe repeats")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", help="JSON report file")
-    p.set_defaults(func=cmd_eval_choices)
-
-

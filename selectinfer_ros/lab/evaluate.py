@@ -335,32 +335,3 @@ def cmd_eval(args: argparse.Namespace) -> int:
                       title=f"{rows[0]['model']}: agreement vs resident weights")
         print(f"wrote {out / 'eval.json'} and plots")
     return 0
-
-
-def register(sub) -> None:
-    p = sub.add_parser("eval", help="accuracy against dense on held-out sets, with ablations")
-    p.add_argument("--model")
-    p.add_argument("--profiles")
-    p.add_argument("--data", help="folder of eval JSONL files (default: the shipped eval sets)")
-    p.add_argument("--limit", type=int, default=20, help="items per task")
-    p.add_argument("--grid", nargs="+", help="gamma,phi pairs (default: 0.9,0.7 0.7,0.7 0.7,0.5 0.5,0.35)")
-    p.add_argument("--strategies", help="comma list of selection strategies besides published")
-    p.add_argument("--only", help="comma list of methods to run besides dense")
-    p.add_argument("--prose-task", default="summarization", help="profile used for held-out prose")
-    p.add_argument("--alpha", type=float, default=0.2)
-    p.add_argument("--dtype")
-    p.add_argument("--threads", type=int)
-    p.add_argument("--quick", action="store_true", help="one grid point, 3 items per task (CI)")
-    p.add_argument("--cross-phrasing", action="store_true",
-                   help="profiles of one phrasing on eval prompts of the other, both directions "
-                   "(profiling/ -> eval_alt/, profiling_alt/ -> eval/)")
-    p.add_argument("--alt-profiles", help="profiles made on profiling_alt/ (default: made once "
-                   "into OUT/profiles-alt)")
-    p.add_argument("--normalize", default="none", choices=["none", "token"],
-                   help="score normalisation when making the alt profiles")
-    p.add_argument("--agreement-only", action="store_true",
-                   help="only next-token agreement on the eval texts (and the stored curve's prediction)")
-    p.add_argument("--headline-only", action="store_true",
-                   help="generate only QA and translation (summaries scored by reference ppl)")
-    p.add_argument("--out")
-    p.set_defaults(func=cmd_eval)

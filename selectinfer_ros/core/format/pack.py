@@ -146,7 +146,7 @@ def read_checksums(m: "Manifest") -> dict[str, torch.Tensor]:
 
 def checksum_error(path: Path, what: str) -> FormatError:
     return FormatError(f"{path}: checksum mismatch in {what}: the file is corrupt; run "
-                       f"`selectinfer verify {path.parent}` and re-pack the model")
+                       f"`selectinfer verify --model {path.parent}` and re-pack the model")
 
 
 def verify(path: str | Path, log: Callable[[str], None] = print) -> list[str]:

@@ -1,0 +1,109 @@
+"""The lab's ``selectinfer`` subcommands (bench, eval, eval-choices): their options, and the
+command functions, imported only when a subcommand runs (``selectinfer --help`` loads no torch).
+
+Spelling shared with the rest of the CLI: ``--model``, ``--profiles``, ``--task``, ``--device``,
+``--dtype``, ``--alpha``, ``--threads`` mean what the ``ModelOptions`` field of that name means;
+``--grid G,P ...`` is a list of (load_ratio, compute_ratio) pairs.
+"""
+from __future__ import annotations
+
+import argparse
+
+from ..core.format.paths import DATA_DIR
+from ..core.options import ModelOptions, add_option
+
+GRID_HELP = ("gamma,phi pairs (load_ratio,compute_ratio), space-separated, e.g. "
+             "--grid 1,1 0.7,0.5")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import cmd_bench as run
+    return run(args)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .evaluate import cmd_eval as run
+    return run(args)
+
+
+def cmd_eval_choices(args: argparse.Namespace) -> int:
+    from .choice_eval import cmd_eval_choices as run
+    return run(args)
+
+
+def _model(p: argparse.ArgumentParser) -> None:
+    add_option(p, ModelOptions, "model", default=None)
+    add_option(p, ModelOptions, "profiles", default=None)
+
+
+def register(sub) -> None:
+    """Add ``bench``, ``eval`` and ``eval-choices`` to the ``selectinfer`` subparsers."""
+    p = sub.add_parser("bench", help="speed and memory of dense, SelectInfer and quantized, "
+                                     "interleaved in one process")
+    _model(p)
+    p.add_argument("--preset", help="random-weight model with a real config (llama-3.2-1b, "
+                                    "llama-3.2-3b, ...) instead of --model")
+    add_option(p, ModelOptions, "task")
+    add_option(p, ModelOptions, "device")
+    add_option(p, ModelOptions, "dtype", default=None)
+    add_option(p, ModelOptions, "num_threads", "--threads", default=None)
+    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats; rows are medians "
+                                                           "(default 5)")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (default 64)")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens decoded (default 32)")
+    p.add_argument("--grid", nargs="+", metavar="G,P",
+                   help=f"{GRID_HELP} (default 1,1 0.9,0.7 0.7,0.7 0.7,0.5 0.5,0.35)")
+    p.add_argument("--weights", nargs="+", choices=["float", "int8"], default=None,
+                   help="SelectInfer rows over float and/or int8 neuron records (default: both; "
+                        "--quick: float)")
+    p.add_argument("--no-quant", action="store_true", help="skip torch int8/int4 weight-only")
+    p.add_argument("--llama-cpp", help="llama.cpp build folder with llama-bench and llama-quantize, "
+                   "or `auto`: the build of scripts/build_llama_cpp.sh; adds Q8_0, F16 and Q4_K_M "
+                   "rows of the same weights to the same interleaved run (embedded model, --preset)")
+    p.add_argument("--quick", action="store_true", help="small grid, few tokens (CI)")
+    p.add_argument("--out", help="folder for bench.json and the plot")
+    p.add_argument("--json-only", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("eval", help="accuracy against dense on held-out sets, with ablations")
+    _model(p)
+    p.add_argument("--data", help="folder of eval JSONL files (default: the shipped eval sets)")
+    p.add_argument("--limit", type=int, default=20, help="items per task (default 20)")
+    p.add_argument("--grid", nargs="+", metavar="G,P",
+                   help=f"{GRID_HELP} (default 0.9,0.7 0.7,0.7 0.7,0.5 0.5,0.35)")
+    p.add_argument("--strategies", help="comma list of selection strategies besides published")
+    p.add_argument("--only", help="comma list of methods to run besides dense")
+    p.add_argument("--prose-task", default="summarization",
+                   help="profile used for held-out prose (default 'summarization')")
+    add_option(p, ModelOptions, "alpha")
+    add_option(p, ModelOptions, "dtype", default=None)
+    add_option(p, ModelOptions, "num_threads", "--threads", default=None)
+    p.add_argument("--quick", action="store_true", help="one grid point, 3 items per task (CI)")
+    p.add_argument("--cross-phrasing", action="store_true",
+                   help="profiles of one phrasing on eval prompts of the other, both directions "
+                   "(profiling/ -> eval_alt/, profiling_alt/ -> eval/)")
+    p.add_argument("--alt-profiles", help="profiles made on profiling_alt/ (default: made once "
+                   "into OUT/profiles-alt)")
+    p.add_argument("--normalize", default="none", choices=["none", "token"],
+                   help="score normalisation when making the alt profiles")
+    p.add_argument("--agreement-only", action="store_true",
+                   help="only next-token agreement on the eval texts (and the stored curve's prediction)")
+    p.add_argument("--headline-only", action="store_true",
+                   help="generate only QA and translation (summaries scored by reference ppl)")
+    p.add_argument("--out", help="folder for eval.json and the plots")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("eval-choices", help="multiple-choice answers vs free text, dense vs "
+                                            "SelectInfer (data/eval/choices.jsonl)")
+    _model(p)
+    p.add_argument("--data", default=str(DATA_DIR / "eval" / "choices.jsonl"),
+                   help="JSONL: prompt, options, answer, task (default: data/eval/choices.jsonl)")
+    p.add_argument("--grid", nargs="+", metavar="G,P", default=["0.7,0.7", "0.7,0.5"],
+                   help=f"{GRID_HELP} (default 0.7,0.7 0.7,0.5)")
+    p.add_argument("--limit", type=int, help="first N items only")
+    p.add_argument("--max-new-tokens", type=int, default=16,
+                   help="free-text answer length (default 16)")
+    p.add_argument("--repeats", type=int, default=5, help="room latency probe repeats (default 5)")
+    add_option(p, ModelOptions, "num_threads", "--threads", default=1)
+    p.add_argument("--out", help="JSON report file")
+    p.set_defaults(func=cmd_eval_choices)
