@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(p, ModelOptions, "alpha")
     add_option(p, ModelOptions, "device")
     add_option(p, ModelOptions, "dtype", default=None)
-    add_option(p, ModelOptions, "num_threads", "--threads", default=None)
+    add_option(p, ModelOptions, "num_threads", "--threads", dest="threads", default=None)
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("generate", help="generate text (streams, then prints metrics), or pick "

@@ -151,9 +151,6 @@ def test_one_spelling_per_concept_across_subcommands():
     assert {"--load-ratio", "--compute-ratio"} <= flags["generate"] and "--grid" not in flags["generate"]
     for name in ("bench", "eval", "eval-choices"):
         assert "--grid" in flags[name] and "--load-ratio" not in flags[name], name
-    threads = {name: next(a for a in cmds[name]._actions if "--threads" in a.option_strings).dest
-               for name in ("profile", "generate", "bench", "eval", "eval-choices")}
-    assert set(threads.values()) == {"num_threads"}
 
 
 def test_profile_help_lists_profile_show():

@@ -46,7 +46,7 @@ def register(sub) -> None:
     add_option(p, ModelOptions, "task")
     add_option(p, ModelOptions, "device")
     add_option(p, ModelOptions, "dtype", default=None)
-    add_option(p, ModelOptions, "num_threads", "--threads", default=None)
+    add_option(p, ModelOptions, "num_threads", "--threads", dest="threads", default=None)
     p.add_argument("--repeats", type=int, default=5, help="interleaved repeats; rows are medians "
                                                            "(default 5)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (default 64)")
@@ -77,7 +77,7 @@ def register(sub) -> None:
                    help="profile used for held-out prose (default 'summarization')")
     add_option(p, ModelOptions, "alpha")
     add_option(p, ModelOptions, "dtype", default=None)
-    add_option(p, ModelOptions, "num_threads", "--threads", default=None)
+    add_option(p, ModelOptions, "num_threads", "--threads", dest="threads", default=None)
     p.add_argument("--quick", action="store_true", help="one grid point, 3 items per task (CI)")
     p.add_argument("--cross-phrasing", action="store_true",
                    help="profiles of one phrasing on eval prompts of the other, both directions "
@@ -104,6 +104,6 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=16,
                    help="free-text answer length (default 16)")
     p.add_argument("--repeats", type=int, default=5, help="room latency probe repeats (default 5)")
-    add_option(p, ModelOptions, "num_threads", "--threads", default=1)
+    add_option(p, ModelOptions, "num_threads", "--threads", dest="threads", default=1)
     p.add_argument("--out", help="JSON report file")
     p.set_defaults(func=cmd_eval_choices)
