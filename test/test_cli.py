@@ -170,3 +170,54 @@ def test_help_imports_neither_torch_nor_transformers():
     assert "selectinfer_ros.lab.commands" in imported  # the lab's options were built
     heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "transformers", "numpy"))
     assert heavy == []
+
+
+def _doc_commands(prefix: str) -> list[str]:
+    """The command lines in the README's and docs/'s bash blocks that start with ``prefix``."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    lines = []
+    for doc in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+        block = False
+        for line in doc.read_text(encoding="utf-8").replace("\\\n", " ").splitlines():
+            if line.startswith("```"):
+                block = line.strip() == "```bash"
+            elif block and line.startswith(prefix):
+                lines.append(line)
+    return lines
+
+
+def test_every_selectinfer_command_in_the_docs_parses():
+    """Each `selectinfer ...` line of README.md and docs/ names a real subcommand with real options."""
+    import shlex
+
+    from selectinfer_ros.cli import build_parser, profile_show_parser
+    lines = _doc_commands("selectinfer ") + [line.split(" ", 3)[3] for line in
+                                             _doc_commands("ros2 run selectinfer_ros selectinfer ")]
+    assert len(lines) >= 10
+    for line in lines:
+        argv = shlex.split(line, comments=True)[1:] if line.startswith("selectinfer ") else \
+            shlex.split(line, comments=True)
+        try:
+            if argv[:2] == ["profile", "show"]:
+                profile_show_parser().parse_args(argv[2:])
+            else:
+                build_parser().parse_args(argv)
+        except SystemExit:
+            raise AssertionError(f"does not parse: {line}") from None
+
+
+def test_modules_and_files_the_readme_names_exist():
+    import importlib.util
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 250
+    modules = set(re.findall(r"python -m (selectinfer_ros[\w.]+)", text))
+    assert len(modules) >= 5 and all(importlib.util.find_spec(m) for m in modules), modules
+    links = set(re.findall(r"\]\(([\w./-]+)\)", text)) - {"docs/security.md"}  # security: another part
+    named = {"launch/jetson.launch.py", "config/desktop.yaml", "config/jetson_orin_nano.yaml",
+             "selectinfer_ros/data/examples/robot_commands.txt", "profiles/gemma3-270m"}
+    assert len(links) >= 4 and all(p.removeprefix("launch/") in text for p in named)
+    assert [p for p in sorted(links | named) if not (root / p).exists()] == []
