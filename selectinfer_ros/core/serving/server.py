@@ -383,6 +383,11 @@ class Server:
                                            f"queue_length {self.queue_length}")
             self._in_system += 1
 
+    def release(self) -> None:
+        """Give back the place of an admitted goal that will not be submitted."""
+        with self._lock:
+            self._in_system = max(0, self._in_system - 1)
+
     def note_rejection(self, e: Rejected) -> None:
         with self._lock:
             if self.runtime is not None:

@@ -255,9 +255,13 @@ class InferenceNode(LifecycleNodeMixin, Node):
             return GoalResponse.REJECT
 
     def _accept_failed(self, e: Exception, gh) -> None:
-        """An accepted goal we could not queue: it is aborted with the reason (execute)."""
+        """An accepted goal we could not queue: its place is freed and it is aborted with the
+        reason (by the execute callback)."""
+        key = bytes(gh.goal_id.uuid)
         with self._lock:
-            self._failed[bytes(gh.goal_id.uuid)] = internal_error(e)
+            self._goals.pop(key, None)
+            self._failed[key] = internal_error(e)
+        self.server.release()
         gh.execute()
 
     @guarded(_accept_failed)
