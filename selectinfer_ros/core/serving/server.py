@@ -39,7 +39,7 @@ MAX_CHOICES_CHECKED = 64  # more choices than this are refused before tokenizing
 MAX_NAME_CHARS = 64  # names (tasks) echoed in messages and logs are cut to this many characters
 MAX_REASON_CHARS = 400  # a rejection reason kept for diagnostics (last_rejection)
 MAX_TEMPERATURE = 100.0
-MAX_REPETITION_PENALTY = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # dividing logits by less overflows
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings a goal may give, characters each
 MAX_RELOAD_TIMEOUT = 3600.0  # a reload's wait for the goals ahead of it is clamped to this
 
@@ -177,10 +177,10 @@ def _check_sampling(goal) -> None:
                                      f"greedy), got {goal.temperature:g}")
     if goal.top_p < 0 or goal.top_p > 1:
         raise Rejected(INVALID_GOAL, f"top_p must be in [0, 1] (0 = off), got {goal.top_p:g}")
-    if not 0 <= goal.repetition_penalty <= MAX_REPETITION_PENALTY:
-        raise Rejected(INVALID_GOAL, f"repetition_penalty must be in (0, "
-                                     f"{MAX_REPETITION_PENALTY:g}] (0 = off), got "
-                                     f"{goal.repetition_penalty:g}")
+    rp = goal.repetition_penalty
+    if rp != 0 and not MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
+        raise Rejected(INVALID_GOAL, f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                                     f"{MAX_REPETITION_PENALTY:g}] (0 = off), got {rp:g}")
     if goal.top_k < 0:
         raise Rejected(INVALID_GOAL, f"top_k must be >= 0 (0 = off), got {goal.top_k}")
     if len(goal.stop) > MAX_STOPS:

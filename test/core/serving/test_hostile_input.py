@@ -63,7 +63,7 @@ goals = st.fixed_dictionaries({
     "temperature": st.one_of(f32, tiny),
     "top_k": st.integers(-2**31, 2**31 - 1),
     "top_p": f32,
-    "repetition_penalty": f32,
+    "repetition_penalty": st.one_of(f32, tiny),
     "seed": st.integers(-2**63, 2**63 - 1),
     "stop": st.lists(st.text(max_size=400), max_size=20),
     "compute_ratio": f32,
