@@ -311,11 +311,27 @@ class Engine:
             if metrics is not None:
                 metrics.selection_seconds = self.state.select_seconds
 
+    def _cancel_points(self) -> list[torch.nn.Module]:
+        """The modules a long forward polls cancel before: per decoder layer its attention's
+        query projection and its MLP (both the lean decoder and the transformers forward call
+        them as modules)."""
+        layers = getattr(getattr(self.model, "model", None), "layers", None) or []
+        points = []
+        for blk in layers:
+            q = getattr(getattr(blk, "self_attn", None), "q_proj", None)
+            points += [m for m in (q, getattr(blk, "mlp", None)) if isinstance(m, torch.nn.Module)]
+        return points
+
+    @property
+    def cancel_points(self) -> int:
+        """How often one forward polls cancel (twice per layer)."""
+        return len(self._cancel_points())
+
     @contextlib.contextmanager
     def cancel_between_layers(self, cancel: Callable[[], bool] | None):
-        """While the block runs, every layer's MLP polls ``cancel`` before it computes and raises
-        :class:`Canceled` when it turns true: a long forward (a prefill, a choices batch) stops
-        within one layer. The lean decoder and the transformers forward both call the MLPs."""
+        """While the block runs, every layer polls ``cancel`` before its attention and before its
+        MLP and raises :class:`Canceled` when it turns true: a long forward (a prefill, a choices
+        batch) stops within half a layer."""
         if cancel is None:
             yield
             return
@@ -324,9 +340,7 @@ class Engine:
             if cancel():
                 raise Canceled
 
-        layers = getattr(getattr(self.model, "model", None), "layers", None) or []
-        hooks = [blk.mlp.register_forward_pre_hook(check) for blk in layers
-                 if isinstance(getattr(blk, "mlp", None), torch.nn.Module)]
+        hooks = [m.register_forward_pre_hook(check) for m in self._cancel_points()]
         try:
             yield
         finally:

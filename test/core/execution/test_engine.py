@@ -63,15 +63,13 @@ def test_stop_string_truncates_and_is_never_streamed(engine):
 def test_cancel_returns_partial_text_within_one_step(engine):
     calls = {"n": 0}
 
-    layers = len(engine.model.model.layers)
-
     def cancel() -> bool:
         calls["n"] += 1
-        return calls["n"] > 4 + layers
+        return calls["n"] > 4 + engine.cancel_points
 
     res = engine.generate(PROMPT, GenerationConfig(max_new_tokens=50), cancel=cancel)
     assert res.finish_reason == "canceled"
-    # the check runs before the prefill, in it before every layer, and before every token
+    # the check runs before the prefill, in it twice per layer, and before every token
     assert len(res.token_ids) == 4
 
 
@@ -166,6 +164,7 @@ def test_tiny_temperature_decodes_greedily(engine):
 
 def test_cancel_inside_a_long_prefill(engine):
     """The prefill polls cancel before every layer: a long prompt stops within one layer."""
+    assert engine.cancel_points == 2 * len(engine.model.model.layers)  # attention and MLP
     prompt = " ".join(f"w{i}" for i in range(10, 120))
     polls = []
     res = engine.generate(prompt, GenerationConfig(max_new_tokens=5),

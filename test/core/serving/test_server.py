@@ -123,11 +123,10 @@ def test_canceled_result_holds_only_the_streamed_text(server):
     first = probe.outcome.result.text
     assert first
     # canceled right after the first token (polls: the worker's before starting, the engine's
-    # before prefill, one per layer during prefill, and after the first token), whose text is a
+    # before prefill, two per layer during prefill, and after the first token), whose text is a
     # prefix of the stop string
-    layers = len(server.runtime.selective.mlps)
     c = Client(server, max_new_tokens=10, stop=[first + "\x00never"],
-               cancel_after_polls=3 + layers)
+               cancel_after_polls=3 + server.runtime.engine.cancel_points)
     out = c.outcome
     assert out.status == "canceled"
     held = server.runtime.engine.tokenizer.decode(out.result.token_ids, skip_special_tokens=True)
