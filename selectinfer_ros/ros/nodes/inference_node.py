@@ -237,7 +237,11 @@ class InferenceNode(LifecycleNodeMixin, Node):
     # ---- action callbacks (executor threads: answer at once) ------------------------------
     # Every callback is guarded: a failure of ours is logged with its traceback and answered
     # (a refusal, an aborted goal, success=false), never left to stop the executor.
-    @guarded(lambda self, e, goal: GoalResponse.REJECT)
+    def _goal_failed(self, e: Exception, goal) -> GoalResponse:
+        self.server.note_rejection(Rejected("UNKNOWN", internal_error(e)))  # counted as seen
+        return GoalResponse.REJECT
+
+    @guarded(_goal_failed)
     def _on_goal(self, goal) -> GoalResponse:
         try:
             rt = self.server.runtime

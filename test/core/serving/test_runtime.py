@@ -96,3 +96,22 @@ def test_memory_budget_counts_dense_layers(tiny_models, tiny_profiles):
     assert all(mlp.n_loaded == m.intermediate_size for i, mlp in enumerate(sm.mlps)
                if i in (0, m.num_layers - 1))
     assert sm.weight_bytes()["total"] >= budget - m.num_layers * m.record_bytes
+
+
+def test_one_ratio_rule():
+    """Ratios.resolve is the one place where compute_ratio 0 means the load and static_ratio -1
+    means min(0.3, compute); a chosen load keeps an asked compute_ratio's share (min_agreement)
+    or refuses one above it (memory budget)."""
+    from selectinfer_ros.core.options import Ratios
+    assert Ratios.resolve(0.8, -1.0, 0.0) == Ratios(0.8, 0.3, 0.8)
+    assert Ratios.resolve(0.8, -1.0, 0.2) == Ratios(0.8, 0.2, 0.2)
+    assert Ratios.resolve(0.8, 0.1, 0.4, chosen_load=0.4, bound="min_agreement") == \
+        Ratios(0.4, 0.1, 0.2)
+    with pytest.raises(ValueError, match="must not exceed"):
+        Ratios.resolve(1.0, -1.0, 0.9, chosen_load=0.5, bound="memory_budget")
+    with pytest.raises(ValueError, match="compute_ratio"):
+        Ratios(0.5, 0.3, 0.2)
+    r = Ratios(0.7, 0.3, 0.5)
+    assert r.with_compute(0.0) == r and r.with_compute(0.6).compute == 0.6
+    with pytest.raises(ValueError):
+        r.with_compute(0.9)

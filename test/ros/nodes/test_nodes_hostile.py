@@ -74,6 +74,7 @@ def test_a_failing_callback_is_answered_and_goals_are_still_served(llm_graph, mo
     assert _normal_goal_succeeds(g)
     monkeypatch.setattr(g.node.server, 'check_prompt', broken)  # inside the goal callback
     assert not g.send(g.goal()).accepted
+    assert g.node.snapshot().last_rejection.startswith('UNKNOWN: internal error: ZeroDivisionError')
     monkeypatch.undo()
     monkeypatch.setattr(g.node.server, 'submit', broken)  # inside the accepted callback
     run = g.send(g.goal())
