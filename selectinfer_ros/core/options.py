@@ -98,21 +98,16 @@ class ModelOptions:
                              aliases=("--threads",))
 
     @property
-    def effective_compute_ratio(self) -> float:
-        return self.compute_ratio if self.compute_ratio > 0 else self.load_ratio
-
-    @property
-    def effective_static_ratio(self) -> float:
-        if self.static_ratio >= 0:
-            return self.static_ratio
-        return min(DEFAULT_STATIC_RATIO, self.effective_compute_ratio)
+    def ratios(self) -> "Ratios":
+        """The ratios these options ask for (load_ratio as given; see :meth:`Ratios.resolve`)."""
+        return Ratios.resolve(self.load_ratio, self.static_ratio, self.compute_ratio)
 
     def check(self) -> None:
         """Cross-setting checks (ParamError with the reason)."""
         if self.memory_budget_mb > 0 or self.min_agreement > 0:  # load_ratio chosen at load
             return
         try:
-            check_ratios(self.load_ratio, self.effective_static_ratio, self.effective_compute_ratio)
+            self.ratios
         except ValueError as e:
             raise ParamError(f"ratios refused (need 0 <= static_ratio <= compute_ratio <= "
                              f"load_ratio <= 1): {e}") from None
@@ -127,6 +122,44 @@ def check_ratios(load_ratio: float, static_ratio: float, compute_ratio: float) -
     if not static_ratio <= compute_ratio <= load_ratio:
         raise ValueError(f"compute_ratio must be in [static_ratio={static_ratio}, "
                          f"load_ratio={load_ratio}], got {compute_ratio}")
+
+
+@dataclass(frozen=True)
+class Ratios:
+    """gamma, delta, phi of a served model, resolved once from the settings (the one place
+    where ``compute_ratio`` 0 means ``load_ratio`` and ``static_ratio`` -1 means
+    min(DEFAULT_STATIC_RATIO, compute_ratio)); always 0 <= static <= compute <= load <= 1."""
+
+    load: float
+    static: float
+    compute: float
+
+    def __post_init__(self) -> None:
+        check_ratios(self.load, self.static, self.compute)
+
+    @classmethod
+    def resolve(cls, load_ratio: float, static_ratio: float, compute_ratio: float, *,
+                chosen_load: float | None = None, bound: str = "load_ratio") -> "Ratios":
+        """The ratios of settings ``load_ratio``/``static_ratio``/``compute_ratio`` when the model
+        holds ``chosen_load`` (default ``load_ratio``) chosen by ``bound`` ("load_ratio",
+        "memory_budget" or "min_agreement"): ``compute_ratio`` 0 follows the load; with
+        min_agreement an explicit one keeps its share phi/gamma of the asked load; a memory
+        budget refuses a compute_ratio above the load it allows. ValueError with the reason."""
+        gamma = load_ratio if chosen_load is None else chosen_load
+        phi = compute_ratio
+        if phi > gamma and bound == "memory_budget":
+            raise ValueError(f"the memory budget allows load_ratio {gamma:.3f}; compute_ratio "
+                             f"{phi:g} must not exceed it (0 = load_ratio)")
+        if phi > 0 and bound == "min_agreement":
+            phi = min(gamma, phi / load_ratio * gamma)
+        phi = phi if phi > 0 else gamma
+        delta = static_ratio if static_ratio >= 0 else min(DEFAULT_STATIC_RATIO, phi)
+        return cls(load=gamma, static=delta, compute=phi)
+
+    def with_compute(self, compute_ratio: float) -> "Ratios":
+        """These ratios computing ``compute_ratio`` (0 = this default); ValueError if it does
+        not fit between static and load."""
+        return Ratios(self.load, self.static, compute_ratio if compute_ratio > 0 else self.compute)
 
 
 @dataclass(frozen=True)

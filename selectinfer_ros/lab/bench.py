@@ -169,9 +169,10 @@ def build_subjects(args, model_path: Path, profiles: Path | None, log) -> list[S
             key = (weights, gamma)
             if key not in by_gamma:
                 def make_sel(s: Subject, gamma=gamma, path=path, key=key) -> None:
-                    sm = SelectiveModel(path, profiles, args.task or None, gamma,
-                                        min(0.3, min(p for g, p in grid if g == gamma)), gamma,
-                                        device=args.device, dtype=args.dtype, log=log)
+                    sm = SelectiveModel(path, profiles, args.task or None, load_ratio=gamma,
+                                        static_ratio=min(0.3, min(p for g, p in grid if g == gamma)),
+                                        compute_ratio=gamma, device=args.device, dtype=args.dtype,
+                                        log=log)
                     sm.tokenizer = tok
                     by_gamma[key] = sm
                 _load(s, make_sel)

@@ -257,8 +257,9 @@ def run_configs(args, model_path, manifest, tok, profiles, data_dir, configs, li
             if cfg.model_key not in models:
                 models.clear()  # one selective model resident at a time
                 models[cfg.model_key] = SelectiveModel(
-                    model_path, profiles, "qa", cfg.load_ratio, cfg.static_ratio, cfg.load_ratio,
-                    args.alpha, dtype=args.dtype, selection=cfg.selection)
+                    model_path, profiles, "qa", load_ratio=cfg.load_ratio,
+                    static_ratio=cfg.static_ratio, compute_ratio=cfg.load_ratio, alpha=args.alpha,
+                    dtype=args.dtype, selection=cfg.selection)
                 models[cfg.model_key].tokenizer = tok
             sm = models[cfg.model_key]
             sm.set_compute_ratio(cfg.compute_ratio)

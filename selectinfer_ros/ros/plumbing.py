@@ -2,10 +2,13 @@
 spinning, process exit, latched QoS, and the text form of results and diagnostics."""
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 import threading
+import time
+import traceback
 
 import rclpy
 from rclpy.context import Context
@@ -40,17 +43,72 @@ def ns_name(namespace: str, name: str) -> str:
     return f"{ns}/{name}"
 
 
-def spin_in_background(executor, name: str = "executor") -> threading.Thread:
-    """Spin ``executor`` in a started daemon thread that ends quietly when the context goes."""
+SPIN_FAILURES_ALLOWED = 20  # unexpected exceptions per minute before a spinning process gives up
+EXIT_SPIN_FAILED = 70  # exit status of a process whose executor could not go on (EX_SOFTWARE)
+
+
+def _report(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def spin_in_background(executor, name: str = "executor", *, log=_report,
+                       exit_on_failure: bool = True) -> threading.Thread:
+    """Spin ``executor`` in a started daemon thread. It ends quietly when the context or the
+    executor shuts down. An exception a callback let out (rclpy's executor re-raises it in
+    ``spin``) is logged with its traceback and spinning goes on; when spinning cannot go on
+    (more than SPIN_FAILURES_ALLOWED such exceptions within a minute), the message is logged
+    and, with ``exit_on_failure``, the process ends with status EXIT_SPIN_FAILED, so that
+    launch or a supervisor can restart it, instead of staying up deaf."""
+    def stopped() -> bool:
+        return not executor.context.ok() or getattr(executor, "_is_shutdown", False)
+
     def spin() -> None:
-        try:
-            executor.spin()
-        except Exception:  # noqa: BLE001 - context shut down
-            pass
+        failures: list[float] = []
+        while not stopped():
+            try:
+                executor.spin()
+                return
+            except Exception as e:  # noqa: BLE001 - logged; spinning goes on if it can
+                if stopped():
+                    return
+                now = time.monotonic()
+                failures = [t for t in failures if now - t < 60.0] + [now]
+                log(f"[{name}] a callback raised {type(e).__name__}: {e}\n"
+                    f"{traceback.format_exc()}")
+                if len(failures) > SPIN_FAILURES_ALLOWED:
+                    log(f"[{name}] {len(failures)} callback failures within a minute: the "
+                        f"executor cannot go on" + ("; ending the process (status "
+                                                    f"{EXIT_SPIN_FAILED})" if exit_on_failure
+                                                    else ""))
+                    if exit_on_failure:
+                        exit_now(EXIT_SPIN_FAILED)
+                    return
 
     thread = threading.Thread(target=spin, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def guarded(on_error):
+    """Decorator for a node's rclpy callback (a method): an exception it raises is logged with
+    its traceback on the node's logger, and ``on_error(self, exc, *args)`` gives the answer
+    (a refusal, an error response), so that no callback's failure reaches the executor."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(self, *args, **kwargs):
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - logged and answered
+                self.get_logger().error(f"{fn.__name__} failed: {type(e).__name__}: {e}\n"
+                                        f"{traceback.format_exc()}")
+                return on_error(self, e, *args)
+        return call
+    return wrap
+
+
+def internal_error(e: BaseException) -> str:
+    """The message a client gets for a failure of ours (the traceback is in the node's log)."""
+    return f"internal error: {type(e).__name__}: {str(e)[:200]} (see the node's log)"
 
 
 def spin_node(node, num_threads: int = 6) -> None:
@@ -64,7 +122,7 @@ def spin_node(node, num_threads: int = 6) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
 
-    thread = spin_in_background(executor)
+    thread = spin_in_background(executor, log=node.get_logger().error)
     while not stop.wait(0.2):
         if not node.context.ok() or not thread.is_alive():
             break

@@ -6,8 +6,10 @@ ones; decode computes only the active prefix).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,7 +34,7 @@ class Canceled(Exception):
 @dataclass
 class GenerationConfig:
     max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     repetition_penalty: float = 1.0
@@ -45,6 +47,9 @@ class GenerationConfig:
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -55,10 +60,15 @@ class GenerationConfig:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
 
+# A temperature below this samples as greedy decoding: dividing logits by it would overflow
+# (1e-40 made every probability NaN) and the distribution is a point mass anyway.
+GREEDY_BELOW = 1e-3
+
+
 @dataclass
 class GenerationResult:
     text: str
-    finish_reason: str  # stop, length, canceled
+    finish_reason: str  # stop, length, context_length (the context window ended it), canceled
     token_ids: list[int]
     metrics: RequestMetrics
 
@@ -77,6 +87,11 @@ def encode(tok, prompt: str, use_chat_template: bool = False) -> list[int]:
 
 
 MAX_CHOICES = 64
+# Option tokens a choices request may score in all (64 options of 64 tokens): bounds its work.
+MAX_CHOICE_TOKENS = 4096
+# Tokens one forward of Engine.choose may run (rows x positions): bounds memory and the time
+# between two cancel checks.
+CHOICE_TOKENS_PER_FORWARD = 512
 # Logit elements one output-layer call of Engine.choose may produce (float32: 64 MiB).
 CHOICE_LOGITS_BUDGET = 16 * 2**20
 # Bytes the prompt's KV cache may take once repeated for the rows of one choices forward.
@@ -114,16 +129,33 @@ def _cache_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def check_choice_sizes(choices: list[str], context_limit: int) -> None:
+    """ValueError unless ``choices`` are few and short enough to tokenize: at most MAX_CHOICES,
+    each at most ``context_limit`` x MAX_CHOICE_CHARS_PER_TOKEN characters and all together at
+    most MAX_CHOICE_TOKENS x MAX_CHOICE_CHARS_PER_TOKEN. Counts characters only (cheap)."""
+    if len(choices) > MAX_CHOICES:
+        raise ValueError(f"{len(choices)} choices; at most {MAX_CHOICES} are allowed")
+    for i, c in enumerate(choices):
+        if len(c) > context_limit * MAX_CHOICE_CHARS_PER_TOKEN:
+            raise ValueError(f"choice {i} has {len(c)} characters; the context limit is "
+                             f"{context_limit} tokens")
+    total = sum(len(c) for c in choices)
+    if total > MAX_CHOICE_TOKENS * MAX_CHOICE_CHARS_PER_TOKEN:
+        raise ValueError(f"the choices have {total} characters in all; at most "
+                         f"{MAX_CHOICE_TOKENS} tokens may be scored")
+
+
 def validate_choices(choices: list[str], engine: "Engine", prompt_tokens: int = 0,
                      token_ids: list[list[int]] | None = None) -> None:
     """None when ``choices`` can be scored after a prompt of ``prompt_tokens`` tokens; otherwise
     ValueError with the reason: none given, more than MAX_CHOICES, an empty or duplicate choice,
-    or a choice that does not fit the context after the prompt."""
+    a choice that does not fit the context after the prompt, or more than MAX_CHOICE_TOKENS
+    option tokens in all."""
     if not choices:
         raise ValueError("no choices given")
-    if len(choices) > MAX_CHOICES:
-        raise ValueError(f"{len(choices)} choices; at most {MAX_CHOICES} are allowed")
+    check_choice_sizes(choices, engine.context_limit)
     room = engine.context_limit - prompt_tokens
+    total = 0
     seen: dict[str, int] = {}
     for i, c in enumerate(choices):
         if not c or not c.strip():
@@ -139,6 +171,10 @@ def validate_choices(choices: list[str], engine: "Engine", prompt_tokens: int = 
         if n > room:
             raise ValueError(f"choice {i} has {n} tokens; after the prompt's {prompt_tokens} "
                              f"tokens the context ({engine.context_limit}) leaves {max(room, 0)}")
+        total += n
+        if total > MAX_CHOICE_TOKENS:
+            raise ValueError(f"the choices have more than {MAX_CHOICE_TOKENS} tokens in all "
+                             f"({total} in the first {i + 1}); fewer or shorter options")
 
 
 class Detokenizer:
@@ -245,17 +281,23 @@ class Engine:
         gen = torch.Generator(device="cpu")
         gen.manual_seed(config.seed if config.seed is not None and config.seed >= 0
                         else int(time.time_ns() % (2**63)))
-        sm = self.selective
-        if sm is not None and config.compute_ratio is not None and config.compute_ratio != sm.compute_ratio:
-            restore = sm.compute_ratio
-            sm.set_compute_ratio(config.compute_ratio)
-        else:
-            restore = None
-        try:
+        with self.phi(config.compute_ratio):
             return self._run(ids, config, max_new, metrics, gen, on_text, cancel, t0)
+
+    @contextlib.contextmanager
+    def phi(self, compute_ratio: float | None):
+        """One request's compute ratio: ``compute_ratio`` (None = the model's) while the block
+        runs, the model's own afterwards (also when the block raises)."""
+        sm = self.selective
+        if sm is None or compute_ratio is None or compute_ratio == sm.compute_ratio:
+            yield
+            return
+        restore = sm.compute_ratio
+        sm.set_compute_ratio(compute_ratio)
+        try:
+            yield
         finally:
-            if restore is not None:
-                sm.set_compute_ratio(restore)
+            sm.set_compute_ratio(restore)
 
     def _start(self, input_ids: torch.Tensor) -> None:
         """Mark the next forward as a request's prefill (selection runs there)."""
@@ -268,6 +310,42 @@ class Engine:
             self.state.prefill = False
             if metrics is not None:
                 metrics.selection_seconds = self.state.select_seconds
+
+    def _cancel_points(self) -> list[torch.nn.Module]:
+        """The modules a long forward polls cancel before: per decoder layer its attention's
+        query projection and its MLP (both the lean decoder and the transformers forward call
+        them as modules)."""
+        layers = getattr(getattr(self.model, "model", None), "layers", None) or []
+        points = []
+        for blk in layers:
+            q = getattr(getattr(blk, "self_attn", None), "q_proj", None)
+            points += [m for m in (q, getattr(blk, "mlp", None)) if isinstance(m, torch.nn.Module)]
+        return points
+
+    @property
+    def cancel_points(self) -> int:
+        """How often one forward polls cancel (twice per layer)."""
+        return len(self._cancel_points())
+
+    @contextlib.contextmanager
+    def cancel_between_layers(self, cancel: Callable[[], bool] | None):
+        """While the block runs, every layer polls ``cancel`` before its attention and before its
+        MLP and raises :class:`Canceled` when it turns true: a long forward (a prefill, a choices
+        batch) stops within half a layer."""
+        if cancel is None:
+            yield
+            return
+
+        def check(module, args) -> None:
+            if cancel():
+                raise Canceled
+
+        hooks = [m.register_forward_pre_hook(check) for m in self._cancel_points()]
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
 
     def _forward_fns(self, input_ids: torch.Tensor, max_new: int):
         """``(prefill() -> logits [V], decode_one_token(token) -> logits [V])`` of one request."""
@@ -289,7 +367,7 @@ class Engine:
         input_ids = torch.tensor([ids], device=self.device)  # [1, T]
         prefill, decode_one_token = self._forward_fns(input_ids, max_new)
         self._start(input_ids)
-        greedy = config.temperature == 0 and config.repetition_penalty == 1.0
+        greedy = config.temperature < GREEDY_BELOW and config.repetition_penalty == 1.0
         history = None
         if not greedy:
             history = torch.zeros(self.model.config.vocab_size, dtype=torch.bool)
@@ -303,7 +381,8 @@ class Engine:
         try:
             if cancel is not None and cancel():
                 raise Canceled
-            logits = prefill()
+            with self.cancel_between_layers(cancel):
+                logits = prefill()
             tok = int(torch.argmax(logits)) if greedy else self._sample(logits, config, history, gen)
             t_first = time.perf_counter()
             metrics.prefill_seconds = metrics.time_to_first_token = t_first - t0
@@ -325,6 +404,8 @@ class Engine:
                         finish = "stop"
                         break
                 if len(new_ids) >= max_new:
+                    if max_new < config.max_new_tokens:
+                        finish = "context_length"
                     break
                 safe = len(text) - (_stop_hold(text, stops) if stops else 0)
                 if on_text is not None and safe > emitted:
@@ -383,18 +464,8 @@ class Engine:
         with a space between them when neither supplies whitespace. Raises :class:`Canceled` when
         ``cancel()`` turns true, ValueError (see :func:`validate_choices`) for invalid choices.
         """
-        with self._lock:
-            sm = self.selective
-            restore = None
-            if sm is not None and compute_ratio is not None and compute_ratio != sm.compute_ratio:
-                restore = sm.compute_ratio
-                sm.set_compute_ratio(compute_ratio)
-            try:
-                return self._choose(prompt, list(choices), length_normalize, use_chat_template,
-                                    cancel)
-            finally:
-                if restore is not None:
-                    sm.set_compute_ratio(restore)
+        with self._lock, self.phi(compute_ratio):
+            return self._choose(prompt, list(choices), length_normalize, use_chat_template, cancel)
 
     def choice_ids(self, prompt_text: str | None, choice: str) -> list[int]:
         """Token ids of ``choice`` as it follows ``prompt_text`` (see :meth:`choose`)."""
@@ -417,16 +488,16 @@ class Engine:
         input_ids = torch.tensor([ids], device=self.device)
         self._start(input_ids)
         try:
-            first = self.model(input_ids, logits_to_keep=1, **kw).logits[0, -1].float()
+            with self.cancel_between_layers(cancel):
+                first = self.model(input_ids, logits_to_keep=1, **kw).logits[0, -1].float()
             t_prefill = time.perf_counter() - t0
             self._end_prefill()
             first_lp = torch.log_softmax(first, dim=-1).cpu()
             totals = [float(first_lp[c[0]]) for c in conts]
             longest = max(len(c) for c in conts)
             if longest > 1:
-                if cancel is not None and cancel():
-                    raise Canceled
-                rest = self._score_rest(cache, conts)
+                with self.cancel_between_layers(cancel):
+                    rest = self._score_rest(cache, conts, cancel)
                 totals = [t + r for t, r in zip(totals, rest)]
         finally:
             if self.state is not None:
@@ -437,53 +508,82 @@ class Engine:
         return ChoiceResult(choices, index, totals, normalized, [len(c) for c in conts],
                             length_normalize, len(ids), t_prefill, time.perf_counter() - t0)
 
-    def _score_rest(self, cache, conts: list[list[int]]) -> list[float]:
+    def _score_rest(self, cache, conts: list[list[int]],
+                    cancel: Callable[[], bool] | None = None) -> list[float]:
         """Summed log-probs of every choice's tokens after its first, teacher-forced on the decode
         path. Choices that share a prefix share its logits: the output layer (the 262k-token
-        matmul of the embedded model) runs once per distinct prefix, not once per position."""
-        prefixes: dict[tuple[int, ...], int] = {}  # prefix -> row of the logits after it
+        matmul of the embedded model) runs once per distinct prefix, not once per position.
+
+        Memory stays bounded whatever the choices: rows (the longest distinct prefixes) run in
+        batches of at most CHOICE_TOKENS_PER_FORWARD tokens (and CHOICE_CACHE_BUDGET bytes of
+        repeated prompt cache), long rows in segments along their length; only the hidden state
+        of each needed prefix is kept ``[prefixes, H]``; the output layer runs in chunks of
+        CHOICE_LOGITS_BUDGET logits and only the log-probs of the option tokens are gathered.
+        ``cancel`` is polled between forwards and chunks."""
+        def check() -> None:
+            if cancel is not None and cancel():
+                raise Canceled
+
+        prefixes: dict[tuple[int, ...], int] = {}  # prefix -> its row in ``h``
         for c in conts:
             for j in range(1, len(c)):
                 prefixes.setdefault(tuple(c[:j]), len(prefixes))
         # rows: the longest prefixes; the shorter ones are their own prefixes
-        rows = [p for p in prefixes if not any(q[:len(p)] == p and len(q) > len(p) for q in prefixes)]
-        rows.sort(key=len, reverse=True)
+        parents = {q[:-1] for q in prefixes}  # the set is prefix-closed: a proper prefix is a parent
+        rows = sorted((p for p in prefixes if p not in parents), key=len, reverse=True)
         where: dict[tuple[int, ...], tuple[int, int]] = {}
         for r, p in enumerate(rows):
             for j in range(1, len(p) + 1):
                 where.setdefault(p[:j], (r, j - 1))
-        order = list(prefixes)
-        vocab = self.model.config.vocab_size
-        per = max(1, CHOICE_LOGITS_BUDGET // vocab)  # prefixes per output-layer chunk
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        inp = torch.full((len(rows), len(rows[0])), pad, dtype=torch.long)
-        for r, p in enumerate(rows):
-            inp[r, :len(p)] = torch.tensor(p)
-        # the prompt's cache is repeated per row: rows in chunks that keep the copies bounded
         per_rows = max(1, CHOICE_CACHE_BUDGET // max(1, _cache_bytes(cache)))
-        hidden = []
-        for lo in range(0, len(rows), per_rows):
-            n = min(per_rows, len(rows) - lo)
+        h: torch.Tensor | None = None  # [prefixes, H]: the hidden state after each prefix
+        needed: dict[int, list[tuple[int, int]]] = {}  # row -> (position, prefix index)
+        for p, i in prefixes.items():
+            r, j = where[p]
+            needed.setdefault(r, []).append((j, i))
+        lo = 0
+        while lo < len(rows):
+            width = len(rows[lo])  # rows are sorted longest first
+            n = max(1, min(per_rows, CHOICE_TOKENS_PER_FORWARD // width, len(rows) - lo))
+            seg = max(1, CHOICE_TOKENS_PER_FORWARD // n)  # positions per forward
+            inp = torch.full((n, width), pad, dtype=torch.long)
+            for r in range(n):
+                inp[r, :len(rows[lo + r])] = torch.tensor(rows[lo + r])
             batch = cache if lo + n >= len(rows) else copy.deepcopy(cache)
             batch.batch_repeat_interleave(n)
-            body = self.model.model(inp[lo:lo + n].to(self.device),
-                                    **{self._cache_kw: batch, "use_cache": True})
-            hidden.append(body.last_hidden_state)  # [n, L, H], final norm applied
-        hidden = torch.cat(hidden)
-        rr = torch.tensor([where[p][0] for p in order])
-        jj = torch.tensor([where[p][1] for p in order])
-        h = hidden[rr.to(self.device), jj.to(self.device)]  # [prefixes, H]
+            for start in range(0, width, seg):
+                check()
+                body = self.model.model(inp[:, start:start + seg].to(self.device),
+                                        **{self._cache_kw: batch, "use_cache": True})
+                hid = body.last_hidden_state  # [n, seg, H], final norm applied
+                if h is None:
+                    h = torch.empty(len(prefixes), hid.shape[-1], dtype=hid.dtype, device=hid.device)
+                for r in range(n):
+                    for j, i in needed.get(lo + r, ()):
+                        if start <= j < start + hid.shape[1]:
+                            h[i] = hid[r, j - start]
+            del batch
+            lo += n
+        # the option tokens' log-probs: (prefix index, next token) -> summed into each choice
+        pairs = [(prefixes[tuple(c[:j])], c[j], k) for k, c in enumerate(conts) for j in range(1, len(c))]
+        rows_of = torch.tensor([p[0] for p in pairs])
+        tokens = torch.tensor([p[1] for p in pairs])
+        owner = torch.tensor([p[2] for p in pairs])
+        totals = torch.zeros(len(conts), dtype=torch.float64)
         head = self.model.get_output_embeddings()
         softcap = getattr(self.model.config, "final_logit_softcapping", None)
-        lps = []
-        for lo in range(0, len(order), per):
+        per = max(1, CHOICE_LOGITS_BUDGET // self.model.config.vocab_size)  # prefixes per chunk
+        for lo in range(0, len(prefixes), per):
+            check()
             logits = head(h[lo:lo + per]).float()
             if softcap:
                 logits = torch.tanh(logits / softcap) * softcap
-            lps.append(torch.log_softmax(logits, dim=-1).cpu())
-        lp = torch.cat(lps)  # [prefixes, V]
-        return [sum(float(lp[prefixes[tuple(c[:j])], c[j]]) for j in range(1, len(c)))
-                for c in conts]
+            lp = torch.log_softmax(logits, dim=-1).cpu()
+            mine = (rows_of >= lo) & (rows_of < lo + per)
+            got = lp[rows_of[mine] - lo, tokens[mine]].double()
+            totals.index_add_(0, owner[mine], got)
+        return totals.tolist()
 
     @staticmethod
     def _sample(logits: torch.Tensor, config: GenerationConfig, history: torch.Tensor,
@@ -493,7 +593,7 @@ class Engine:
             seen = logits[history]
             logits[history] = torch.where(seen > 0, seen / config.repetition_penalty,
                                           seen * config.repetition_penalty)
-        if config.temperature == 0:
+        if config.temperature < GREEDY_BELOW:
             return int(torch.argmax(logits))
         logits = logits / config.temperature
         if config.top_k > 0:

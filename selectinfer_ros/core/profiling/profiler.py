@@ -294,7 +294,8 @@ def measure_quality_curve(packed_dir: str | Path, profiles_dir: str | Path, task
         if not todo:
             continue
         delta = min(0.3, gamma * min(s for _, s in todo))
-        sm = SelectiveModel(packed_dir, profiles_dir, task, gamma, delta, gamma, alpha, device, dtype,
+        sm = SelectiveModel(packed_dir, profiles_dir, task, load_ratio=gamma, static_ratio=delta,
+                            compute_ratio=gamma, alpha=alpha, device=device, dtype=dtype,
                             selection=selection)
         sm.tokenizer = tok
         resolved = sm.selection_strategy

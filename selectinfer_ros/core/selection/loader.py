@@ -163,6 +163,10 @@ def _read_neurons(reader: CountingReader, start: int, record_bytes: int, ids: to
     return len(idx)
 
 
+class SwitchCanceled(Exception):
+    """A task switch stopped before it changed anything."""
+
+
 @dataclass
 class SwitchReport:
     task: str
@@ -176,11 +180,14 @@ class SelectiveModel:
     """A transformers causal LM whose FFNs hold only the selected neurons of a packed model."""
 
     def __init__(self, packed_dir: str | Path, profiles_dir: str | Path | None = None,
-                 task: str | None = None, load_ratio: float = 1.0, static_ratio: float | None = None,
-                 compute_ratio: float | None = None, alpha: float = 0.2,
-                 device: str = "cpu", dtype: str | torch.dtype | None = None,
+                 task: str | None = None, *, load_ratio: float = 1.0,
+                 static_ratio: float | None = None, compute_ratio: float | None = None,
+                 alpha: float = 0.2, device: str = "cpu", dtype: str | torch.dtype | None = None,
                  dense_layers: int = 0, selection: str = "auto",
-                 memory_budget_bytes: int | None = None, log: Callable[[str], None] = lambda s: None):
+                 log: Callable[[str], None] = lambda s: None):
+        """Load ``packed_dir`` with ``load_ratio`` of each layer's neurons for ``task`` (the
+        catalogue's first when None). ``static_ratio``/``compute_ratio`` None = ``load_ratio``;
+        the serving path resolves all three once (:class:`~..options.Ratios`) and passes them."""
         t0 = time.perf_counter()
         self.path = Path(packed_dir)
         self.manifest = read_manifest(self.path)
@@ -199,10 +206,6 @@ class SelectiveModel:
         if selection not in SELECTIONS:
             raise ValueError(f"unknown selection strategy {selection!r}; choose from {', '.join(SELECTIONS)}")
         self.selection_strategy = selection
-        if memory_budget_bytes is not None:
-            load_ratio = load_ratio_for_budget(self.manifest, self.dtype, memory_budget_bytes,
-                                               dense_layers)
-            log(f"[load] memory budget {memory_budget_bytes / 2**30:.2f} GiB -> load_ratio {load_ratio:.3f}")
         static_ratio = load_ratio if static_ratio is None else static_ratio
         compute_ratio = load_ratio if compute_ratio is None else compute_ratio
         check_ratios(load_ratio, static_ratio, compute_ratio)
@@ -340,19 +343,24 @@ class SelectiveModel:
         mlp.n_static = n_static
         mlp._swap_in(where[ids[:n_static]].to(dev), 0, n_static)
 
-    def switch_task(self, task: str) -> SwitchReport:
+    def switch_task(self, task: str, cancel: Callable[[], bool] | None = None) -> SwitchReport:
         """Load another task's base neurons in place, atomically: first every neuron not resident
         is read (and checked) for all layers, then, with no I/O left to fail, the layers take them
         into the slots of the dropped ones and move the new base neurons into the static prefix.
-        A read error leaves the model and its task as they were."""
+        A read error, or ``cancel()`` turning true while reading (polled between layers; raises
+        :class:`SwitchCanceled`), leaves the model and its task as they were."""
         if self.catalog is None:
             raise ValueError("no profiles folder: cannot switch task")
         t0 = time.perf_counter()
         self.catalog.reload(task)
         sel = self._selection(task)
         with CountingReader(self.path / FFN_FILE) as r:
-            staged = [self._stage_layer(r, layer, sel.neurons[layer])
-                      for layer in range(self.manifest.num_layers)]
+            staged = []
+            for layer in range(self.manifest.num_layers):
+                if cancel is not None and cancel():
+                    raise SwitchCanceled(f"switch to {task[:64]!r} canceled; {self.task!r} "
+                                         f"stays active")
+                staged.append(self._stage_layer(r, layer, sel.neurons[layer]))
             nbytes = r.bytes_read
         dropped = sum(int((~torch.isin(m.slot_ids.cpu(), sel.neurons[layer])).sum())
                       for layer, m in enumerate(self.mlps))

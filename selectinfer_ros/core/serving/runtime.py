@@ -6,21 +6,22 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from ..execution.engine import ChoiceResult, Engine, GenerationConfig, GenerationResult
-from ..selection.loader import SelectiveModel, SwitchReport, load_dense, load_ratio_for_budget, resolve_dtype
-from ..execution.metrics import (RunningStats, cuda_allocated_bytes, peak_rss_bytes, process_rss_bytes,
-                      system_available_bytes)
-from ..options import ModelOptions
+from ..execution.metrics import (RunningStats, cuda_allocated_bytes, peak_rss_bytes,
+                                 process_rss_bytes, system_available_bytes)
 from ..format.pack import read_manifest
-from ..selection.profiles import LoadRatioChoice, ProfileCatalog, choose_load_ratio
 from ..format.paths import default_profiles_dir
 from ..format.tokenizer import load_tokenizer
+from ..options import ModelOptions, Ratios
+from ..selection.loader import (SelectiveModel, SwitchReport, load_dense, load_ratio_for_budget,
+                                resolve_dtype)
+from ..selection.profiles import LoadRatioChoice, ProfileCatalog, choose_load_ratio
+
 
 def model_path(opts: ModelOptions, log: Callable[[str], None] = lambda s: None) -> str:
     """The packed model folder of ``opts`` (the embedded model, prepared once, when empty)."""
@@ -55,6 +56,7 @@ class Runtime:
             self.bytes_read, self.load_seconds = nbytes, time.perf_counter() - t0
             self.task = ""
             self.load_choice = LoadRatioChoice(1.0, "load_ratio", "the dense model")
+            self.ratios = Ratios(1.0, 1.0, 1.0)
             return
         profiles = opts.profiles or default_profiles_dir(manifest.model_id)
         if not Path(profiles).is_dir():
@@ -63,20 +65,20 @@ class Runtime:
                                         f"`selectinfer profile` for model {manifest.model_id}")
             profiles = None
         self.load_choice = self._choose_load_ratio(opts, manifest, profiles, log)
-        gamma = self.load_choice.load_ratio
-        phi = opts.compute_ratio
-        if phi > gamma and self.load_choice.bound == "memory_budget":
-            raise ValueError(f"memory_budget_mb {opts.memory_budget_mb:g} allows load_ratio "
-                             f"{gamma:.3f}; compute_ratio {phi:g} must not exceed it (0 = "
-                             f"load_ratio)")
-        if phi > 0 and self.load_choice.bound == "min_agreement":  # keep the asked share phi/gamma
-            phi = min(gamma, phi / opts.load_ratio * gamma)
-        sized = replace(opts, load_ratio=gamma, compute_ratio=phi, memory_budget_mb=0.0,
-                        min_agreement=0.0)
+        try:
+            self.ratios = Ratios.resolve(opts.load_ratio, opts.static_ratio, opts.compute_ratio,
+                                         chosen_load=self.load_choice.load_ratio,
+                                         bound=self.load_choice.bound)
+        except ValueError as e:
+            if self.load_choice.bound == "memory_budget":
+                raise ValueError(f"memory_budget_mb {opts.memory_budget_mb:g}: {e}") from None
+            raise
+        r = self.ratios
         self.selective = SelectiveModel(
-            path, profiles, opts.task or None, gamma, sized.effective_static_ratio,
-            sized.effective_compute_ratio, opts.alpha, opts.device, opts.dtype or None,
-            opts.dense_layers, opts.selection, None, log)
+            path, profiles, opts.task or None, load_ratio=r.load, static_ratio=r.static,
+            compute_ratio=r.compute, alpha=opts.alpha, device=opts.device,
+            dtype=opts.dtype or None, dense_layers=opts.dense_layers, selection=opts.selection,
+            log=log)
         self.engine = Engine.from_selective(self.selective, context_limit)
         log(f"[runtime] decoding on the {self.engine.decode_path}")
         self.bytes_read, self.load_seconds = self.selective.bytes_read, self.selective.load_seconds
@@ -101,6 +103,16 @@ class Runtime:
         if memory is not None or need is not None:
             log(f"[load] {choice.message}")
         return choice
+
+    def ratios_for(self, compute_setting: float) -> Ratios:
+        """The served ratios when the ``compute_ratio`` setting is ``compute_setting`` (0 = the
+        load; the same rule as at load time); ValueError when it does not fit the loaded model.
+        The dense model always computes everything."""
+        if self.selective is None:
+            return self.ratios
+        phi = Ratios.resolve(self.opts.load_ratio, self.ratios.static, compute_setting,
+                             chosen_load=self.ratios.load, bound=self.load_choice.bound).compute
+        return self.ratios.with_compute(phi)
 
     def expected_agreement(self, compute_ratio: float | None = None) -> float | None:
         """Next-token agreement with the dense model that the active task's stored quality curve
@@ -139,15 +151,16 @@ class Runtime:
                                       compute_ratio=compute_ratio,
                                       use_chat_template=use_chat_template, cancel=cancel)
 
-    def switch_task(self, task: str) -> SwitchReport:
-        """Reload base neurons for ``task`` (waits for a generation in flight)."""
+    def switch_task(self, task: str, cancel: Callable[[], bool] | None = None) -> SwitchReport:
+        """Reload base neurons for ``task`` (waits for a generation in flight); ``cancel`` is
+        polled while reading (SwitchCanceled: nothing changed)."""
         with self._lock:
-            return self._switch(task)
+            return self._switch(task, cancel)
 
-    def _switch(self, task: str) -> SwitchReport:
+    def _switch(self, task: str, cancel: Callable[[], bool] | None = None) -> SwitchReport:
         if self.selective is None:
             raise ValueError("the dense model has no task profiles")
-        report = self.selective.switch_task(task)
+        report = self.selective.switch_task(task, cancel)
         self.task = task
         self.switches += 1
         self.last_switch = report

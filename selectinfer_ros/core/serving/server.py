@@ -17,15 +17,15 @@ import copy
 import math
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..execution.engine import (Canceled, ChoiceResult, ContextLengthError, GenerationConfig,
-                     GenerationResult, encode, validate_choices)
-from ..options import check_ratios
-from ..selection.loader import SwitchReport
-from ..options import NodeSettings
+                                GenerationResult, check_choice_sizes, encode, validate_choices)
 from ..format.safetensors_io import FormatError
+from ..options import NodeSettings
+from ..selection.loader import SwitchCanceled, SwitchReport
 
 # Error codes, named as the Generate action's result constants.
 NONE, UNKNOWN, INVALID_GOAL, UNKNOWN_TASK = "NONE", "UNKNOWN", "INVALID_GOAL", "UNKNOWN_TASK"
@@ -36,6 +36,29 @@ GENERATION_FAILED, NO_MODEL, CANCELED = "GENERATION_FAILED", "NO_MODEL", "CANCEL
 # (the goal callback must answer at once, even for an absurd prompt).
 MAX_CHARS_PER_TOKEN = 100
 MAX_CHOICES_CHECKED = 64  # more choices than this are refused before tokenizing any
+MAX_NAME_CHARS = 64  # names (tasks) echoed in messages and logs are cut to this many characters
+MAX_REASON_CHARS = 400  # a rejection reason kept for diagnostics (last_rejection)
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # dividing logits by less overflows
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings a goal may give, characters each
+MAX_RELOAD_TIMEOUT = 3600.0  # a reload's wait for the goals ahead of it is clamped to this
+
+
+def short(text: str, limit: int = MAX_NAME_CHARS) -> str:
+    """``text`` cut to ``limit`` characters (``...`` marks a cut), for echoing untrusted names."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def reload_timeout(requested: float, default: float) -> float:
+    """Seconds a reload may wait for the goals ahead of it: ``requested`` (0 = ``default``),
+    clamped to MAX_RELOAD_TIMEOUT (``inf`` too); Rejected(INVALID_GOAL) for NaN or < 0."""
+    value = float(requested)
+    if math.isnan(value) or value < 0:
+        raise Rejected(INVALID_GOAL, f"timeout must be >= 0 seconds (0 = the node's "
+                                     f"reload_timeout), got {value:g}")
+    if value == 0:
+        value = float(default)
+    return min(value, MAX_RELOAD_TIMEOUT)
 
 
 class Rejected(Exception):
@@ -86,6 +109,7 @@ class _Reload:
         self.done = threading.Event()
         self.report: SwitchReport | None = None
         self.error: Exception | None = None
+        self.abandon = ""  # set (the reason) by drain/stop: a running reload stops before applying
 
 
 class _Call:
@@ -100,46 +124,71 @@ class _Call:
 
 def goal_config(goal, settings: NodeSettings, rt) -> tuple[GenerationConfig, float]:
     """The GenerationConfig and compute ratio of a goal (any object with the Generate goal's
-    fields), or Rejected with the reason. No tokenization here."""
+    fields), or Rejected with the reason. No tokenization here: every check is cheap, so even
+    an absurd goal is answered at once. With ``choices`` the sampling fields, ``stop`` and
+    ``max_new_tokens`` are ignored (as Generate.action says)."""
     if not goal.prompt or not goal.prompt.strip():
         raise Rejected(INVALID_GOAL, "empty prompt")
     if goal.task and goal.task != rt.task and goal.task not in rt.tasks:
         known = ", ".join(rt.tasks) or "none (no profiles folder)"
-        raise Rejected(UNKNOWN_TASK, f"unknown task {goal.task!r}; tasks: {known}")
-    n = goal.max_new_tokens or settings.max_new_tokens
+        raise Rejected(UNKNOWN_TASK, f"unknown task {short(goal.task)!r}; tasks: {known}")
+    choices = bool(goal.choices)
+    n = settings.max_new_tokens if choices else (goal.max_new_tokens or settings.max_new_tokens)
     if n > settings.max_new_tokens_limit:
         raise Rejected(INVALID_GOAL, f"max_new_tokens {n} exceeds the limit "
                                      f"{settings.max_new_tokens_limit}")
-    for name in ("temperature", "top_p", "repetition_penalty", "compute_ratio"):
-        if not math.isfinite(getattr(goal, name)):
-            raise Rejected(INVALID_GOAL, f"{name} is not a finite number")
-    if goal.top_p < 0 or goal.top_p > 1:
-        raise Rejected(INVALID_GOAL, f"top_p must be in [0, 1] (0 = off), got {goal.top_p:g}")
-    if goal.repetition_penalty < 0:
-        raise Rejected(INVALID_GOAL, "repetition_penalty must be > 0 (0 = off), got "
-                                     f"{goal.repetition_penalty:g}")
+    if not math.isfinite(goal.compute_ratio):
+        raise Rejected(INVALID_GOAL, "compute_ratio is not a finite number")
     if goal.compute_ratio < 0:
         raise Rejected(INVALID_GOAL, f"compute_ratio must be in (0, 1] (0 = node default), "
                                      f"got {goal.compute_ratio:g}")
-    default_phi = settings.compute_ratio if settings.compute_ratio > 0 else rt.load_ratio
-    phi = float(goal.compute_ratio) if goal.compute_ratio > 0 else default_phi
-    if rt.selective is not None:
-        try:
-            check_ratios(rt.load_ratio, rt.selective.static_ratio, phi)
-        except ValueError as e:
+    try:
+        phi = rt.ratios_for(settings.compute_ratio).with_compute(float(goal.compute_ratio)).compute
+    except ValueError as e:
+        if rt.selective is not None:
             raise Rejected(INVALID_GOAL, str(e)) from None
+        phi = 1.0  # the dense model computes every neuron
+    phi_override = phi if rt.selective is not None and abs(phi - rt.compute_ratio) > 1e-9 else None
+    if choices:  # sampling fields, stop and max_new_tokens are ignored
+        return GenerationConfig(max_new_tokens=int(n), use_chat_template=bool(goal.use_chat_template),
+                                compute_ratio=phi_override), phi
+    _check_sampling(goal)
     cfg = GenerationConfig(
         max_new_tokens=int(n), temperature=float(goal.temperature), top_k=int(goal.top_k),
         top_p=float(goal.top_p) if goal.top_p > 0 else 1.0,
         repetition_penalty=float(goal.repetition_penalty) if goal.repetition_penalty > 0 else 1.0,
         seed=int(goal.seed) if goal.seed >= 0 else None,
         stop=[s for s in goal.stop if s], use_chat_template=bool(goal.use_chat_template),
-        compute_ratio=phi if rt.selective is not None and abs(phi - rt.compute_ratio) > 1e-9 else None)
+        compute_ratio=phi_override)
     try:
         cfg.validate()
     except ValueError as e:
         raise Rejected(INVALID_GOAL, str(e)) from None
     return cfg, phi
+
+
+def _check_sampling(goal) -> None:
+    """Rejected(INVALID_GOAL) unless the sampling fields and stop strings are in a sane range."""
+    for name in ("temperature", "top_p", "repetition_penalty"):
+        if not math.isfinite(getattr(goal, name)):
+            raise Rejected(INVALID_GOAL, f"{name} is not a finite number")
+    if not 0 <= goal.temperature <= MAX_TEMPERATURE:
+        raise Rejected(INVALID_GOAL, f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = "
+                                     f"greedy), got {goal.temperature:g}")
+    if goal.top_p < 0 or goal.top_p > 1:
+        raise Rejected(INVALID_GOAL, f"top_p must be in [0, 1] (0 = off), got {goal.top_p:g}")
+    rp = goal.repetition_penalty
+    if rp != 0 and not MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
+        raise Rejected(INVALID_GOAL, f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                                     f"{MAX_REPETITION_PENALTY:g}] (0 = off), got {rp:g}")
+    if goal.top_k < 0:
+        raise Rejected(INVALID_GOAL, f"top_k must be >= 0 (0 = off), got {goal.top_k}")
+    if len(goal.stop) > MAX_STOPS:
+        raise Rejected(INVALID_GOAL, f"{len(goal.stop)} stop strings; at most {MAX_STOPS}")
+    longest = max((len(s) for s in goal.stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise Rejected(INVALID_GOAL, f"a stop string has {longest} characters; at most "
+                                     f"{MAX_STOP_CHARS}")
 
 
 class Server:
@@ -160,6 +209,7 @@ class Server:
         self._in_system = 0  # admitted goals not finished (running + waiting)
         self._running: GoalJob | None = None
         self._reloading = False  # a reload is running on the worker
+        self._current_reload: _Reload | None = None
         self._stopping = False
         self._worker: threading.Thread | None = None
         self._check_lock = threading.Lock()  # the goal callbacks' own tokenizer
@@ -188,6 +238,7 @@ class Server:
                 elif isinstance(job, _Reload):
                     job.state = "running"
                     self._reloading = True
+                    self._current_reload = job
             try:
                 if isinstance(job, GoalJob):
                     self._run_goal(job)
@@ -196,10 +247,11 @@ class Server:
                 else:
                     self._run_call(job)
             except Exception as e:  # noqa: BLE001 - never let the worker die
-                self.log(f"worker: unexpected {type(e).__name__}: {e}")
+                self.log(f"worker: unexpected {type(e).__name__}: {e}\n{traceback.format_exc()}")
             finally:
                 with self._lock:
                     self._reloading = False
+                    self._current_reload = None
                     if isinstance(job, GoalJob):
                         self._running = None
                         self._in_system -= 1
@@ -295,11 +347,16 @@ class Server:
 
     def check_choices(self, choices: list[str], prompt_tokens: int) -> None:
         """Rejected(INVALID_GOAL) when ``choices`` cannot be scored after a prompt of
-        ``prompt_tokens`` tokens (at most 64, none empty or repeated, each fits the context);
-        tokenizes with the goal callbacks' own tokenizer."""
+        ``prompt_tokens`` tokens (at most 64, none empty or repeated, each fits the context, at
+        most MAX_CHOICE_TOKENS in all); sizes are checked in characters before tokenizing, with
+        the goal callbacks' own tokenizer."""
         rt = self.runtime
         if rt is None:
             raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
+        try:  # counts and characters first: nothing absurd is tokenized
+            check_choice_sizes(list(choices), rt.engine.context_limit)
+        except ValueError as e:
+            raise Rejected(INVALID_GOAL, f"invalid choices: {e}") from None
         with self._check_lock:
             tok = self._check_tokenizer
             if tok is None:
@@ -326,13 +383,18 @@ class Server:
                                            f"queue_length {self.queue_length}")
             self._in_system += 1
 
+    def release(self) -> None:
+        """Give back the place of an admitted goal that will not be submitted."""
+        with self._lock:
+            self._in_system = max(0, self._in_system - 1)
+
     def note_rejection(self, e: Rejected) -> None:
         with self._lock:
             if self.runtime is not None:
                 self.runtime.stats.rejected += 1
             else:
                 self.rejected_without_model += 1
-            self.last_rejection = f"{e.code}: {e.reason}"
+            self.last_rejection = short(f"{e.code}: {e.reason}", MAX_REASON_CHARS)
 
     def submit(self, job: GoalJob) -> None:
         """Queue an admitted goal (see :meth:`admit`)."""
@@ -370,6 +432,8 @@ class Server:
             self._in_system -= sum(isinstance(j, GoalJob) for j in waiting)
             if self._running is not None:
                 self._running.abort_reason = reason
+            if self._current_reload is not None:
+                self._current_reload.abandon = reason
         for j in waiting:
             if isinstance(j, GoalJob):
                 self._finish(j, Outcome("aborted", NO_MODEL, reason))
@@ -438,7 +502,7 @@ class Server:
         stop = lambda: job.cancel_requested() or job.abort_reason is not None  # noqa: E731
         try:
             if job.task and job.task != rt.task:
-                self._switch(rt, job.task)
+                self._switch(rt, job.task, cancel=stop)
             if job.choices:
                 choice = rt.choose(job.prompt, job.choices, length_normalize=job.length_normalize,
                                    compute_ratio=job.config.compute_ratio,
@@ -472,20 +536,25 @@ class Server:
         self._finish(job, out)
 
     # ---- task switches --------------------------------------------------------------------
-    def _switch(self, rt, task: str) -> SwitchReport:
-        """Switch base neurons (worker thread); Rejected on failure, the previous task active."""
+    def _switch(self, rt, task: str, cancel: Callable[[], bool] | None = None) -> SwitchReport:
+        """Switch base neurons (worker thread); Rejected on failure, Canceled when ``cancel()``
+        turns true before the switch is applied; the previous task stays active then."""
         before = rt.task
         if task not in rt.tasks:
-            raise Rejected(UNKNOWN_TASK, f"unknown task {task!r}; tasks: "
+            raise Rejected(UNKNOWN_TASK, f"unknown task {short(task)!r}; tasks: "
                                          f"{', '.join(rt.tasks) or 'none (no profiles folder)'}")
         try:
-            report = rt.switch_task(task)
+            report = rt.switch_task(task, cancel=cancel)
+        except SwitchCanceled:
+            raise Canceled from None
         except KeyError as e:
-            raise Rejected(UNKNOWN_TASK, str(e.args[0]) if e.args else str(e)) from None
+            raise Rejected(UNKNOWN_TASK, short(str(e.args[0]) if e.args else str(e),
+                                               MAX_REASON_CHARS)) from None
         except (FormatError, ValueError, OSError) as e:
-            raise Rejected(PROFILE_SWITCH_FAILED, f"profile switch to {task!r} refused ({e}); "
+            raise Rejected(PROFILE_SWITCH_FAILED, f"profile switch to {short(task)!r} refused "
+                                                  f"({short(str(e), MAX_REASON_CHARS)}); "
                                                   f"{before!r} stays active") from None
-        self.log(f"switched base neurons {before!r} -> {task!r} in {report.seconds:.3f} s: read "
+        self.log(f"switched base neurons {before!r} -> {short(task)!r} in {report.seconds:.3f} s: read "
                  f"{report.bytes_read / 2**20:.2f} MiB ({report.neurons_read} neurons), dropped "
                  f"{report.neurons_dropped} (full load: {rt.bytes_read / 2**20:.1f} MiB in "
                  f"{rt.load_seconds:.2f} s)")
@@ -498,7 +567,9 @@ class Server:
             if rt is None:
                 raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
             if job.task and job.task != rt.task:
-                job.report = self._switch(rt, job.task)
+                job.report = self._switch(rt, job.task, cancel=lambda: job.abandon)
+        except Canceled:
+            job.error = RuntimeError(job.abandon or "reload canceled")
         except Exception as e:  # noqa: BLE001 - handed to the caller
             job.error = e
         finally:
@@ -506,10 +577,12 @@ class Server:
             job.done.set()
 
     def reload(self, task: str, timeout: float) -> SwitchReport | None:
-        """Switch to ``task`` in queue order. Waits at most ``timeout`` seconds for the jobs ahead
-        of it (TimeoutError: the reload is abandoned and will not run); once started it always
-        completes before this returns. None when ``task`` is already active; Rejected on
-        failure (the previous task stays active)."""
+        """Switch to ``task`` in queue order. Waits at most ``timeout`` seconds (clamped to
+        MAX_RELOAD_TIMEOUT; NaN or negative: Rejected) for the jobs ahead of it (TimeoutError:
+        the reload is abandoned and will not run); once started it completes before this
+        returns, unless the node drains (RuntimeError, nothing applied). None when ``task`` is
+        already active; Rejected on failure (the previous task stays active)."""
+        timeout = reload_timeout(timeout, MAX_RELOAD_TIMEOUT) if timeout != 0 else 0.0
         job = _Reload(task)
         with self._cond:
             if self._stopping or self._worker is None or not self._worker.is_alive():

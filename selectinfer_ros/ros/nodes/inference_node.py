@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.action import CancelResponse, GoalResponse
@@ -33,8 +34,9 @@ from selectinfer_msgs.action import Generate
 from selectinfer_msgs.msg import ActiveProfile
 from selectinfer_msgs.srv import ReloadBase
 
-from ...core.serving.server import GoalJob, Outcome, Rejected, Server, goal_config
-from ..plumbing import LATCHED, exit_now, run_node
+from ...core.serving.server import (GoalJob, Outcome, Rejected, Server, goal_config,
+                                    reload_timeout, short)
+from ..plumbing import LATCHED, exit_now, guarded, internal_error, run_node
 from ..safe_action import SafeActionServer
 from . import diagnostics as diag
 from .settings import NodeSettings, ParamError, apply_changes, check_model_files, declare
@@ -124,6 +126,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
         self.add_on_set_parameters_callback(self._on_set_parameters)
         self._lock = threading.Lock()
         self._goals: dict[bytes, _Goal] = {}
+        self._failed: dict[bytes, str] = {}  # accepted goals that could not be queued: why
         self._executing = 0  # execute callbacks not returned yet
         self.server = Server(self.settings.queue_length, log=self.get_logger().info)
         self.server.on_switch = lambda report: self._publish_loaded()
@@ -160,6 +163,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
         return self._state_machine.current_state[1]
 
     # ---- lifecycle ------------------------------------------------------------------------
+    @guarded(lambda self, e, state: TransitionCallbackReturn.FAILURE)
     def on_configure(self, state) -> TransitionCallbackReturn:
         from ...core.serving.runtime import Runtime
         log = self.get_logger()
@@ -177,6 +181,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
         self._publish_loaded()
         return TransitionCallbackReturn.SUCCESS
 
+    @guarded(lambda self, e, state: TransitionCallbackReturn.FAILURE)
     def on_activate(self, state) -> TransitionCallbackReturn:
         if self.server.runtime is None:
             self.get_logger().error("activate refused: no model loaded")
@@ -193,16 +198,19 @@ class InferenceNode(LifecycleNodeMixin, Node):
         self.get_logger().info(f"active: serving {_resolve(self, 'generate')}")
         return super().on_activate(state)
 
+    @guarded(lambda self, e, state: TransitionCallbackReturn.ERROR)
     def on_deactivate(self, state) -> TransitionCallbackReturn:
         self._stop_serving("node deactivating")
         self.get_logger().info("inactive: goals are not served")
         return super().on_deactivate(state)
 
+    @guarded(lambda self, e, state: TransitionCallbackReturn.ERROR)
     def on_cleanup(self, state) -> TransitionCallbackReturn:
         self.server.unload()
         self.get_logger().info("unconfigured: model freed")
         return TransitionCallbackReturn.SUCCESS
 
+    @guarded(lambda self, e, state: TransitionCallbackReturn.ERROR)
     def on_shutdown(self, state) -> TransitionCallbackReturn:
         self._stop_serving("node shutting down")
         self.server.unload()
@@ -227,6 +235,13 @@ class InferenceNode(LifecycleNodeMixin, Node):
             self._reload_srv = None
 
     # ---- action callbacks (executor threads: answer at once) ------------------------------
+    # Every callback is guarded: a failure of ours is logged with its traceback and answered
+    # (a refusal, an aborted goal, success=false), never left to stop the executor.
+    def _goal_failed(self, e: Exception, goal) -> GoalResponse:
+        self.server.note_rejection(Rejected("UNKNOWN", internal_error(e)))  # counted as seen
+        return GoalResponse.REJECT
+
+    @guarded(_goal_failed)
     def _on_goal(self, goal) -> GoalResponse:
         try:
             rt = self.server.runtime
@@ -243,6 +258,17 @@ class InferenceNode(LifecycleNodeMixin, Node):
             self.get_logger().warning(f"goal rejected ({e.code}): {e.reason}")
             return GoalResponse.REJECT
 
+    def _accept_failed(self, e: Exception, gh) -> None:
+        """An accepted goal we could not queue: its place is freed and it is aborted with the
+        reason (by the execute callback)."""
+        key = bytes(gh.goal_id.uuid)
+        with self._lock:
+            self._goals.pop(key, None)
+            self._failed[key] = internal_error(e)
+        self.server.release()
+        gh.execute()
+
+    @guarded(_accept_failed)
     def _on_accepted(self, gh) -> None:
         goal = gh.request
         try:
@@ -260,6 +286,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
             self._goals[bytes(gh.goal_id.uuid)] = g
         self.server.submit(g.job)
 
+    @guarded(lambda self, e, gh: CancelResponse.REJECT)
     def _on_cancel(self, gh) -> CancelResponse:
         with self._lock:
             g = self._goals.get(bytes(gh.goal_id.uuid))
@@ -273,11 +300,12 @@ class InferenceNode(LifecycleNodeMixin, Node):
         key = bytes(gh.goal_id.uuid)
         with self._lock:
             g = self._goals.get(key)
+            failed = self._failed.pop(key, "goal not found")
             self._executing += 1
         try:
             if g is None:
                 gh.abort()
-                return R(error_code=R.UNKNOWN, error_msg="goal not found", finish_reason="error")
+                return R(error_code=R.UNKNOWN, error_msg=failed, finish_reason="error")
             g.done.wait()
             outcome = g.job.outcome
             if outcome.status == "succeeded":
@@ -291,23 +319,37 @@ class InferenceNode(LifecycleNodeMixin, Node):
                 self.get_logger().warning(f"goal aborted ({outcome.code}): {outcome.message}")
                 gh.abort()
             return result_message(outcome)
+        except Exception as e:  # noqa: BLE001 - the goal ends aborted with the reason
+            self.get_logger().error(f"execute failed: {type(e).__name__}: {e}\n"
+                                    f"{traceback.format_exc()}")
+            try:
+                gh.abort()
+            except Exception:  # noqa: BLE001 - already in a final state
+                pass
+            return R(error_code=R.UNKNOWN, error_msg=internal_error(e), finish_reason="error")
         finally:
             with self._lock:
                 self._goals.pop(key, None)
                 self._executing -= 1
 
     # ---- base reloads ---------------------------------------------------------------------
+    def _reload_failed(self, e: Exception, request, response):
+        response.success, response.message = False, internal_error(e)
+        response.active_task = self.server.task
+        return response
+
+    @guarded(_reload_failed)
     def _on_reload_base(self, request, response):
         task = request.task.strip()
-        timeout = request.timeout if request.timeout > 0 else self.settings.reload_timeout
         try:
+            timeout = reload_timeout(request.timeout, self.settings.reload_timeout)
             report = self.server.reload(task, timeout)
             response.success = True
             if report is None:
                 response.message = f"task {self.server.task!r} is active" + (" already" if task else "")
                 self._publish_loaded()
             else:
-                response.message = (f"switched to {task!r}: {report.bytes_read} bytes read "
+                response.message = (f"switched to {short(task)!r}: {report.bytes_read} bytes read "
                                     f"({report.neurons_read} neurons) in {report.seconds:.3f} s")
                 response.reload_seconds = float(report.seconds)
                 response.bytes_read = int(report.bytes_read)
@@ -329,14 +371,14 @@ class InferenceNode(LifecycleNodeMixin, Node):
         self._loaded_pub.publish(msg)
 
     # ---- parameters -----------------------------------------------------------------------
+    @guarded(lambda self, e, params: SetParametersResult(successful=False,
+                                                         reason=internal_error(e)))
     def _on_set_parameters(self, params) -> SetParametersResult:
-        from ...core.options import check_ratios
         new, reason = apply_changes(self.settings, params)
         rt = self.server.runtime
-        if reason is None and rt is not None and rt.selective is not None:
-            phi = new.compute_ratio if new.compute_ratio > 0 else rt.load_ratio
+        if reason is None and rt is not None:
             try:
-                check_ratios(rt.load_ratio, rt.selective.static_ratio, phi)
+                rt.ratios_for(new.compute_ratio)
             except ValueError as e:
                 reason = f"compute_ratio refused for the loaded model: {e}"
         if reason is not None:
@@ -371,7 +413,10 @@ class InferenceNode(LifecycleNodeMixin, Node):
         snap.memory = rt.memory()
         snap.load_ratio = float(rt.load_ratio)
         snap.static_ratio = float(rt.selective.static_ratio if rt.selective else 1.0)
-        snap.compute_ratio = float(s.compute_ratio if s.compute_ratio > 0 else rt.load_ratio)
+        try:
+            snap.compute_ratio = float(rt.ratios_for(s.compute_ratio).compute)
+        except ValueError:  # refused when set; kept for a model loaded since
+            snap.compute_ratio = float(rt.compute_ratio)
         snap.active_task, snap.tasks = rt.task, tuple(rt.tasks)
         snap.last_tokens_per_second = st.last_tokens_per_second
         snap.average_tokens_per_second = st.average_tokens_per_second
@@ -386,6 +431,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
         snap.load_ratio_bound = rt.load_choice.bound
         return snap
 
+    @guarded(lambda self, e: None)
     def publish_diagnostics(self) -> DiagnosticArray:
         arr = diag.build_array(self.snapshot(), self.get_clock().now().to_msg())
         for pub in self._diag_pubs:

@@ -35,7 +35,7 @@ from rclpy.node import Node
 from selectinfer_msgs.msg import ActiveProfile
 from selectinfer_msgs.srv import ReloadBase, SwitchProfile
 
-from ..plumbing import LATCHED, exit_now, run_node
+from ..plumbing import LATCHED, exit_now, guarded, internal_error, run_node
 from .settings import ManagerSettings, ParamError, apply_changes, declare
 
 RELOAD_RUN_LIMIT = 120.0  # seconds a started reload may take before this node stops waiting
@@ -68,6 +68,7 @@ class ProfileManager(LifecycleNodeMixin, Node):
                                                     LATCHED, callback_group=self._group)
 
     # ---- lifecycle --------------------------------------------------------------------------
+    @guarded(lambda self, e, state: TransitionCallbackReturn.FAILURE)
     def on_configure(self, state) -> TransitionCallbackReturn:
         from ...core.format.pack import read_manifest
         from ...core.format.paths import default_profiles_dir
@@ -95,6 +96,7 @@ class ProfileManager(LifecycleNodeMixin, Node):
                  f"{', '.join(catalog.tasks)}")
         return TransitionCallbackReturn.SUCCESS
 
+    @guarded(lambda self, e, state: TransitionCallbackReturn.FAILURE)
     def on_activate(self, state) -> TransitionCallbackReturn:
         ret = super().on_activate(state)  # activates the lifecycle publisher
         if ret != TransitionCallbackReturn.SUCCESS:
@@ -115,16 +117,19 @@ class ProfileManager(LifecycleNodeMixin, Node):
             f" ({resp.bytes_read} bytes read in {resp.reload_seconds:.3f} s)" if resp.bytes_read else ""))
         return TransitionCallbackReturn.SUCCESS
 
+    @guarded(lambda self, e, state: TransitionCallbackReturn.ERROR)
     def on_deactivate(self, state) -> TransitionCallbackReturn:
         with self._lock:
             self._active = False
         self.get_logger().info("inactive: switch_profile refuses switches")
         return super().on_deactivate(state)
 
+    @guarded(lambda self, e, state: TransitionCallbackReturn.ERROR)
     def on_cleanup(self, state) -> TransitionCallbackReturn:
         self._release()
         return TransitionCallbackReturn.SUCCESS
 
+    @guarded(lambda self, e, state: TransitionCallbackReturn.ERROR)
     def on_shutdown(self, state) -> TransitionCallbackReturn:
         with self._lock:
             self._active = False
@@ -168,6 +173,12 @@ class ProfileManager(LifecycleNodeMixin, Node):
             return ReloadBase.Response(success=False, message=f"{client.srv_name} call failed")
         return resp
 
+    def _switch_failed(self, e: Exception, request, response):
+        response.success, response.message = False, internal_error(e)
+        response.active_task = self.active_task
+        return response
+
+    @guarded(_switch_failed)
     def _on_switch(self, request, response):
         task = request.task.strip()
         with self._lock:
@@ -189,6 +200,7 @@ class ProfileManager(LifecycleNodeMixin, Node):
             self.active_task = resp.active_task
         return response
 
+    @guarded(lambda self, e, msg: None)
     def _on_loaded(self, msg: ActiveProfile) -> None:
         with self._lock:
             self._last_loaded = msg
@@ -201,6 +213,8 @@ class ProfileManager(LifecycleNodeMixin, Node):
     def _publish(self, msg: ActiveProfile) -> None:
         self._active_pub.publish(msg)
 
+    @guarded(lambda self, e, params: SetParametersResult(successful=False,
+                                                         reason=internal_error(e)))
     def _on_set_parameters(self, params) -> SetParametersResult:
         new, reason = apply_changes(self.settings, params)
         if reason is not None:

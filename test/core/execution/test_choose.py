@@ -84,6 +84,25 @@ def test_chunked_rows_and_output_layer_give_the_same_scores(tiny_engine, monkeyp
     split = tiny_engine.choose(prompt, choices)
     assert split.logprobs == pytest.approx(whole.logprobs, abs=1e-4)
     assert split.index == whole.index
+    monkeypatch.setattr(engine_mod, "CHOICE_CACHE_BUDGET", 2**30)
+    monkeypatch.setattr(engine_mod, "CHOICE_TOKENS_PER_FORWARD", 2)  # rows cut along their length
+    segmented = tiny_engine.choose(prompt, choices)
+    assert segmented.logprobs == pytest.approx(whole.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("after", [1, 2, 5, 9])
+def test_cancel_inside_scoring_raises_canceled(tiny_engine, monkeypatch, after):
+    """Cancel is polled in the prompt's prefill (per layer), between scoring forwards and between
+    output-layer chunks: the request stops wherever it is."""
+    monkeypatch.setattr(engine_mod, "CHOICE_TOKENS_PER_FORWARD", 2)
+    monkeypatch.setattr(engine_mod, "CHOICE_LOGITS_BUDGET", 1)
+    polls = []
+    with pytest.raises(Canceled):
+        tiny_engine.choose("w10 w11", ["w5 w6 w7 w8", "w6 w7", "w9 w9 w9"],
+                           cancel=lambda: polls.append(1) or len(polls) > after)
+    assert len(polls) == after + 1  # stopped at the first poll that said so
+    assert tiny_engine.state.prefill
+    assert tiny_engine.choose("w10 w11", ["w5", "w6"]).index in (0, 1)  # next request is fine
 
 
 @pytest.mark.parametrize("choices, reason", [

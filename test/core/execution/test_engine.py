@@ -65,11 +65,12 @@ def test_cancel_returns_partial_text_within_one_step(engine):
 
     def cancel() -> bool:
         calls["n"] += 1
-        return calls["n"] > 4
+        return calls["n"] > 4 + engine.cancel_points
 
     res = engine.generate(PROMPT, GenerationConfig(max_new_tokens=50), cancel=cancel)
     assert res.finish_reason == "canceled"
-    assert len(res.token_ids) == 4  # the check runs before every token
+    # the check runs before the prefill, in it twice per layer, and before every token
+    assert len(res.token_ids) == 4
 
 
 def test_context_limit_is_enforced(engine):
@@ -139,3 +140,34 @@ def test_detokenizer_text_equals_decoding_the_whole_sequence(embedded):
         assert "".join(pieces) == d.text
         assert d.text == whole or (seq is noise and whole.endswith("\ufffd")
                                    and whole.startswith(d.text))
+
+
+def test_context_limit_cut_says_so(engine):
+    """A generation ended by the context window (not by max_new_tokens) has finish_reason
+    context_length."""
+    prompt = " ".join(f"w{i}" for i in range(10, 130))  # 121 tokens of 128
+    res = engine.generate(prompt, GenerationConfig(max_new_tokens=50, ignore_eos=True))
+    assert res.finish_reason == "context_length" and len(res.token_ids) == 7
+    res = engine.generate(prompt, GenerationConfig(max_new_tokens=7, ignore_eos=True))
+    assert res.finish_reason == "length"
+
+
+def test_tiny_temperature_decodes_greedily(engine):
+    greedy = engine.generate(PROMPT, GenerationConfig(max_new_tokens=8, ignore_eos=True))
+    for t in (1e-40, 1e-6, 5e-4):
+        res = engine.generate(PROMPT, GenerationConfig(max_new_tokens=8, temperature=t,
+                                                       ignore_eos=True, seed=1))
+        assert res.token_ids == greedy.token_ids
+    with pytest.raises(ValueError, match="finite"):
+        GenerationConfig(temperature=float("inf")).validate()
+
+
+def test_cancel_inside_a_long_prefill(engine):
+    """The prefill polls cancel before every layer: a long prompt stops within one layer."""
+    assert engine.cancel_points == 2 * len(engine.model.model.layers)  # attention and MLP
+    prompt = " ".join(f"w{i}" for i in range(10, 120))
+    polls = []
+    res = engine.generate(prompt, GenerationConfig(max_new_tokens=5),
+                          cancel=lambda: polls.append(1) or len(polls) > 2)
+    assert res.finish_reason == "canceled" and res.token_ids == [] and len(polls) == 3
+    assert engine.generate(PROMPT, GenerationConfig(max_new_tokens=3)).token_ids  # still serves

@@ -34,7 +34,7 @@ def test_options_are_validated_in_one_place():
         from_values(ModelOptions, {"selection": "best"})
     with pytest.raises(ParamError, match="compute_ratio must be in"):
         from_values(ModelOptions, {"load_ratio": 0.5, "compute_ratio": 0.8})
-    assert from_values(ModelOptions, {"static_ratio": -1.0}).effective_static_ratio == 0.3
+    assert from_values(ModelOptions, {"static_ratio": -1.0}).ratios.static == 0.3
     assert from_values(ModelOptions, {"load_ratio": 1}).load_ratio == 1.0  # an int for a float
 
 
@@ -56,3 +56,62 @@ def test_min_agreement_and_memory_budget_the_stricter_wins(embedded, embedded_pr
                  log=logs.append)
     assert rt.load_choice.bound == "memory_budget" and rt.load_ratio <= 0.5
     assert any("bound: memory_budget" in line for line in logs)
+
+
+def _other_bytes(packed) -> int:
+    from selectinfer_ros.core.format.pack import OTHER_FILE
+    from selectinfer_ros.core.format.safetensors_io import read_header
+    tensors, _, _ = read_header(packed / OTHER_FILE)
+    return sum(t.nbytes for t in tensors.values())
+
+
+def test_memory_budget_chooses_load_ratio(tiny_models, tiny_profiles):
+    """The budget is chosen in one place (the runtime); the weights fit it."""
+    _, packed = tiny_models["tiny-llama"]
+    m = read_manifest(packed)
+    budget = _other_bytes(packed) + int(0.55 * m.ffn_bytes)
+    rt = Runtime(ModelOptions(model=str(packed), profiles=str(tiny_profiles["tiny-llama"]),
+                              task="alpha", static_ratio=0.2, memory_budget_mb=budget / 2**20))
+    assert 0.5 <= rt.load_ratio <= 0.55
+    assert rt.selective.weight_bytes()["total"] <= budget
+    with pytest.raises(ValueError, match="leaves no room"):
+        Runtime(ModelOptions(model=str(packed), profiles=str(tiny_profiles["tiny-llama"]),
+                             memory_budget_mb=1000 / 2**20))
+
+
+def test_memory_budget_counts_dense_layers(tiny_models, tiny_profiles):
+    """The layers ``dense_layers`` keeps whole are part of the budget (they were not: a tiny
+    model with dense_layers=1 loaded 922 KB for a 765 KB budget)."""
+    _, packed = tiny_models["tiny-llama"]
+    m = read_manifest(packed)
+    layer = m.ffn_bytes // m.num_layers
+    assert m.num_layers >= 3
+    budget = _other_bytes(packed) + 2 * layer + int(0.5 * (m.num_layers - 2) * layer)
+    rt = Runtime(ModelOptions(model=str(packed), profiles=str(tiny_profiles["tiny-llama"]),
+                              task="alpha", static_ratio=0.1, dense_layers=1,
+                              memory_budget_mb=budget / 2**20))
+    sm = rt.selective
+    assert 0.45 <= sm.load_ratio <= 0.5
+    assert sm.weight_bytes()["total"] <= budget
+    assert all(mlp.n_loaded == m.intermediate_size for i, mlp in enumerate(sm.mlps)
+               if i in (0, m.num_layers - 1))
+    assert sm.weight_bytes()["total"] >= budget - m.num_layers * m.record_bytes
+
+
+def test_one_ratio_rule():
+    """Ratios.resolve is the one place where compute_ratio 0 means the load and static_ratio -1
+    means min(0.3, compute); a chosen load keeps an asked compute_ratio's share (min_agreement)
+    or refuses one above it (memory budget)."""
+    from selectinfer_ros.core.options import Ratios
+    assert Ratios.resolve(0.8, -1.0, 0.0) == Ratios(0.8, 0.3, 0.8)
+    assert Ratios.resolve(0.8, -1.0, 0.2) == Ratios(0.8, 0.2, 0.2)
+    assert Ratios.resolve(0.8, 0.1, 0.4, chosen_load=0.4, bound="min_agreement") == \
+        Ratios(0.4, 0.1, 0.2)
+    with pytest.raises(ValueError, match="must not exceed"):
+        Ratios.resolve(1.0, -1.0, 0.9, chosen_load=0.5, bound="memory_budget")
+    with pytest.raises(ValueError, match="compute_ratio"):
+        Ratios(0.5, 0.3, 0.2)
+    r = Ratios(0.7, 0.3, 0.5)
+    assert r.with_compute(0.0) == r and r.with_compute(0.6).compute == 0.6
+    with pytest.raises(ValueError):
+        r.with_compute(0.9)

@@ -123,8 +123,10 @@ def test_canceled_result_holds_only_the_streamed_text(server):
     first = probe.outcome.result.text
     assert first
     # canceled right after the first token (polls: the worker's before starting, the engine's
-    # before prefill and after the first token), whose text is a prefix of the stop string
-    c = Client(server, max_new_tokens=10, stop=[first + "\x00never"], cancel_after_polls=3)
+    # before prefill, two per layer during prefill, and after the first token), whose text is a
+    # prefix of the stop string
+    c = Client(server, max_new_tokens=10, stop=[first + "\x00never"],
+               cancel_after_polls=3 + server.runtime.engine.cancel_points)
     out = c.outcome
     assert out.status == "canceled"
     held = server.runtime.engine.tokenizer.decode(out.result.token_ids, skip_special_tokens=True)
@@ -182,10 +184,10 @@ def test_a_started_reload_completes_before_its_caller_hears_back(server, monkeyp
     real = rt.switch_task
     entered = threading.Event()
 
-    def slow_switch(task):
+    def slow_switch(task, cancel=None):
         entered.set()
         time.sleep(0.5)
-        return real(task)
+        return real(task, cancel)
 
     monkeypatch.setattr(rt, "switch_task", slow_switch)
     box = {}
@@ -223,7 +225,7 @@ def test_goal_config_refuses_with_reasons(server):
     s = NodeSettings(max_new_tokens=8, max_new_tokens_limit=64, load_ratio=0.7, compute_ratio=0.5)
     base = dict(prompt=PROMPT, task="", max_new_tokens=0, temperature=0.0, top_k=0, top_p=0.0,
                 repetition_penalty=0.0, seed=-1, stop=[], use_chat_template=False,
-                compute_ratio=0.0)
+                compute_ratio=0.0, choices=[], length_normalize=False)
     cfg, phi = serving.goal_config(SimpleNamespace(**base), s, server.runtime)
     assert cfg.max_new_tokens == 8 and phi == pytest.approx(0.5)
     for over, code, needle in [(dict(prompt=" "), serving.INVALID_GOAL, "empty prompt"),
