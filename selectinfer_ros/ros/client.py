@@ -303,7 +303,8 @@ class LLMClient:
         executor = MultiThreadedExecutor(num_threads=2, context=context)
         executor.add_node(node)
 
-        thread = spin_in_background(executor, f"{name}-spin")
+        # A library never ends its user's process: a dead executor shows as NO_SERVER/TIMEOUT.
+        thread = spin_in_background(executor, f"{name}-spin", exit_on_failure=False)
         client._owned = _Owned(context, executor, thread)
         return client
 
