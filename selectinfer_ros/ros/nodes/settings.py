@@ -104,7 +104,10 @@ def declare(node, cls) -> Any:
         desc.dynamic_typing = True
         try:
             value = node.declare_parameter(f.name, f.default, desc).value
-        except InvalidParameterValueException as e:
+        except InvalidParameterValueException as e:  # outside the descriptor's range
+            given = getattr(node, "_parameter_overrides", {}).get(f.name)
+            if given is not None:
+                coerce(f, given.value)  # the core's reason: "load_ratio must be in ..., got 1.7"
             raise ParamError(f"{f.name} {range_text(f)}: {e}") from None
         values[f.name] = coerce(f, value)
     return from_values(cls, values)
