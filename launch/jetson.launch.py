@@ -27,7 +27,7 @@ import re
 
 from launch import LaunchDescription
 from launch.actions import (DeclareLaunchArgument, EmitEvent, LogInfo, OpaqueFunction,
-                            RegisterEventHandler, Shutdown)
+                            RegisterEventHandler, Shutdown, TimerAction)
 from launch.event_handlers import OnProcessExit, OnProcessIO
 from launch.events import matches_action
 from launch.substitutions import LaunchConfiguration
@@ -82,22 +82,41 @@ class BringupFailed(RuntimeError):
 
 
 ANSI = re.compile(r'\x1b\[[0-9;]*[A-Za-z]')
+REASON_WAIT = 2.0  # seconds a failed step waits for its node's error line (stderr may trail)
 
 
-def _reason_keeper():
-    """(on_stderr handler, reason(node)): the last line a node wrote to stderr that is not an
-    INFO/DEBUG/WARN log line (a refused parameter, ``configure failed: ...``)."""
-    last = {}
+class _Reasons:
+    """The last line each node wrote to stderr that is not an INFO/DEBUG/WARN log line (a refused
+    parameter, ``configure failed: ...``): the reason a failure is reported with. A failed step
+    whose node has not printed its reason yet is reported when the line comes, or after
+    REASON_WAIT seconds."""
 
-    def on_stderr(name):
+    def __init__(self):
+        self.last, self.pending = {}, {}
+
+    def on_stderr(self, name):
         def remember(event):
             for line in ANSI.sub('', event.text.decode(errors='replace')).splitlines():
                 line = line.strip()
                 if line and not re.match(r'\[(INFO|DEBUG|WARN)\]', line):
-                    last[name] = line
+                    self.last[name] = line
+            if name in self.pending and name in self.last:
+                raise BringupFailed(f'{self.pending.pop(name)}: {self.last[name]}')
         return remember
 
-    return on_stderr, lambda name: last.get(name, 'see its log above')
+    def fail(self, name, message):
+        """Entities that end the launch with ``message`` and the node's reason."""
+        if name in self.last:
+            raise BringupFailed(f'{message}: {self.last[name]}')
+        self.pending[name] = message
+
+        def late(_context):
+            if name in self.pending:
+                raise BringupFailed(f'{self.pending.pop(name)}: see its log above')
+        return [TimerAction(period=REASON_WAIT, actions=[OpaqueFunction(function=late)])]
+
+    def of(self, name):
+        return self.last.get(name, 'see its log above')
 
 
 def _launch_setup(context, *args, **kwargs):
@@ -117,7 +136,7 @@ def _launch_setup(context, *args, **kwargs):
     nodes = {'selectinfer_node': inference, 'profile_manager': manager}
     assert set(nodes) == set(NODES), NODES
     progress = {'done': False}
-    on_stderr, reason = _reason_keeper()
+    reasons = _Reasons()
 
     def change(step):
         return EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(nodes[step.node]),
@@ -127,17 +146,18 @@ def _launch_setup(context, *args, **kwargs):
         progress['done'] = True
 
     def fail(message, name):
-        def raise_(_context):
+        def failed(_context):
             if not progress['done']:  # a later failed transition is the user's to handle
-                raise BringupFailed(f'{message}: {reason(name)}')
-        return OpaqueFunction(function=raise_)
+                return reasons.fail(name, message)
+            return None
+        return OpaqueFunction(function=failed)
 
     def on_exit(event, _context):
         if _context.is_shutdown:
             return None
         name = next((n for n, a in nodes.items() if a is event.action), event.process_name)
         when = 'during bring-up' if not progress['done'] else 'while serving'
-        message = f'{name} exited with code {event.returncode} {when}: {reason(name)}'
+        message = f'{name} exited with code {event.returncode} {when}: {reasons.of(name)}'
         if event.returncode != 0 or not progress['done']:
             raise BringupFailed(message)
         return [Shutdown(reason=message)]
@@ -157,7 +177,7 @@ def _launch_setup(context, *args, **kwargs):
             goal_state=step.failed_state, entities=[fail(message, step.node)], handle_once=True)))
     for name, node in nodes.items():
         handlers.append(RegisterEventHandler(OnProcessIO(target_action=node,
-                                                         on_stderr=on_stderr(name))))
+                                                         on_stderr=reasons.on_stderr(name))))
         handlers.append(RegisterEventHandler(OnProcessExit(target_action=node, on_exit=on_exit)))
 
     return [
