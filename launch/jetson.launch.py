@@ -82,6 +82,7 @@ class BringupFailed(RuntimeError):
 
 
 ANSI = re.compile(r'\x1b\[[0-9;]*[A-Za-z]')
+LOG_PREFIX = re.compile(r'^\[(ERROR|FATAL)\] \[[0-9.]+\] \[[^\]]*\]: ')  # rcutils' line head
 REASON_WAIT = 2.0  # seconds a failed step waits for its node's error line (stderr may trail)
 
 
@@ -99,7 +100,7 @@ class _Reasons:
             for line in ANSI.sub('', event.text.decode(errors='replace')).splitlines():
                 line = line.strip()
                 if line and not re.match(r'\[(INFO|DEBUG|WARN)\]', line):
-                    self.last[name] = line
+                    self.last[name] = LOG_PREFIX.sub('', line)
             if name in self.pending and name in self.last:
                 raise BringupFailed(f'{self.pending.pop(name)}: {self.last[name]}')
         return remember
