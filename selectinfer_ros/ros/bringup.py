@@ -5,9 +5,11 @@
 It does what ``launch/jetson.launch.py`` does on a full ROS install: the same parameters YAML
 (``<node_name>: ros__parameters:`` blocks, matched by rcl as with ``--params-file``), the same
 launch arguments as options (``--model --task --load-ratio --compute-ratio --device --dtype
---namespace``), and it drives both lifecycle nodes through their ``change_state`` services, as
-launch's ChangeState events do: ``selectinfer_node`` configure (model load) and activate (the
-action server appears), then ``profile_manager`` configure and activate. Both nodes spin in one
+--namespace``, built from core/options.py: a bad value is refused with the node parameter's
+reason, exit 2), and it runs the launch file's bring-up chain (``lifecycle_chain.BRINGUP``)
+through the nodes' ``change_state`` services: ``selectinfer_node`` configure (model load) and
+activate (the action server appears), then ``profile_manager`` configure and activate. A step
+that fails exits 1 with the node, the transition and the reason. Both nodes spin in one
 MultiThreadedExecutor. Ctrl-C (or SIGTERM) ends the running goal within a decode step (its
 client gets the result with the reason), shuts both nodes down and exits 0.
 
