@@ -10,24 +10,32 @@ Parameters come from ``params_file`` (default: config/jetson_orin_nano.yaml); a 
 left empty keeps the file's value, a given one overrides it for both nodes. With ``device:=cpu``
 and no ``dtype``, dtype becomes float32 (float16 matmuls are slow on CPUs).
 
-Both nodes are lifecycle nodes, brought up in order by ChangeState events chained with
-OnStateTransition handlers: selectinfer_node configure (loads the model; a first run prepares
-the embedded one) -> activate (the generate action server appears only now, so a client whose
-``wait_for_server()`` returns is served) -> profile_manager configure -> activate. The chain
-runs once: later ``ros2 lifecycle set`` transitions move only the node they name. Without
-launch installed, ``python -m selectinfer_ros.ros.bringup --params <yaml>`` does the same.
+Both nodes are lifecycle nodes, brought up in the order of ``BRINGUP``
+(selectinfer_ros/ros/lifecycle_chain.py, which ``python -m selectinfer_ros.ros.bringup`` and the
+tests run too) by ChangeState events chained with OnStateTransition handlers: selectinfer_node
+configure (loads the model; a first run prepares the embedded one) -> activate (the generate
+action server appears only now, so a client whose ``wait_for_server()`` returns is served) ->
+profile_manager configure -> activate. The chain runs once: later ``ros2 lifecycle set``
+transitions move only the node they name.
+
+The launch ends with an error (exit status 1, the node and its reason) when a step of the
+bring-up fails (a missing model folder, an unknown task) or a node exits (a parameter out of
+range: ``load_ratio:=1.7``); it also ends when a node exits later.
 """
 import os
+import re
 
 from launch import LaunchDescription
 from launch.actions import (DeclareLaunchArgument, EmitEvent, LogInfo, OpaqueFunction,
-                            RegisterEventHandler)
+                            RegisterEventHandler, Shutdown, TimerAction)
+from launch.event_handlers import OnProcessExit, OnProcessIO
 from launch.events import matches_action
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import LifecycleNode
 from launch_ros.event_handlers import OnStateTransition
 from launch_ros.events.lifecycle import ChangeState
-from lifecycle_msgs.msg import Transition
+
+from selectinfer_ros.ros.lifecycle_chain import BRINGUP, NODES, failures, handoffs, step_message
 
 PACKAGE = 'selectinfer_ros'
 
@@ -68,6 +76,50 @@ def _overrides(context):
     return out
 
 
+class BringupFailed(RuntimeError):
+    """A node of the launch failed: raised in launch's event loop, it ends the launch with exit
+    status 1 and the message ("Caught exception in launch ...: <message>")."""
+
+
+ANSI = re.compile(r'\x1b\[[0-9;]*[A-Za-z]')
+LOG_PREFIX = re.compile(r'^\[(ERROR|FATAL)\] \[[0-9.]+\] \[[^\]]*\]: ')  # rcutils' line head
+REASON_WAIT = 2.0  # seconds a failed step waits for its node's error line (stderr may trail)
+
+
+class _Reasons:
+    """The last line each node wrote to stderr that is not an INFO/DEBUG/WARN log line (a refused
+    parameter, ``configure failed: ...``): the reason a failure is reported with. A failed step
+    whose node has not printed its reason yet is reported when the line comes, or after
+    REASON_WAIT seconds."""
+
+    def __init__(self):
+        self.last, self.pending = {}, {}
+
+    def on_stderr(self, name):
+        def remember(event):
+            for line in ANSI.sub('', event.text.decode(errors='replace')).splitlines():
+                line = line.strip()
+                if line and not re.match(r'\[(INFO|DEBUG|WARN)\]', line):
+                    self.last[name] = LOG_PREFIX.sub('', line)
+            if name in self.pending and name in self.last:
+                raise BringupFailed(f'{self.pending.pop(name)}: {self.last[name]}')
+        return remember
+
+    def fail(self, name, message):
+        """Entities that end the launch with ``message`` and the node's reason."""
+        if name in self.last:
+            raise BringupFailed(f'{message}: {self.last[name]}')
+        self.pending[name] = message
+
+        def late(_context):
+            if name in self.pending:
+                raise BringupFailed(f'{self.pending.pop(name)}: see its log above')
+        return [TimerAction(period=REASON_WAIT, actions=[OpaqueFunction(function=late)])]
+
+    def of(self, name):
+        return self.last.get(name, 'see its log above')
+
+
 def _launch_setup(context, *args, **kwargs):
     namespace = LaunchConfiguration('namespace').perform(context)
     params_file = LaunchConfiguration('params_file').perform(context) or _default_params_file()
@@ -82,30 +134,60 @@ def _launch_setup(context, *args, **kwargs):
         package=PACKAGE, executable='profile_manager', name='profile_manager',
         namespace=namespace, output='screen', emulate_tty=True,
         parameters=[params_file, manager_overrides])
+    nodes = {'selectinfer_node': inference, 'profile_manager': manager}
+    assert set(nodes) == set(NODES), NODES
+    progress = {'done': False}
+    reasons = _Reasons()
 
-    def change(node, transition_id):
-        return EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(node),
-                                           transition_id=transition_id))
+    def change(step):
+        return EmitEvent(event=ChangeState(lifecycle_node_matcher=matches_action(nodes[step.node]),
+                                           transition_id=step.transition_id))
 
-    def after(node, start, goal, message, *entities):
-        # Once: the bring-up chain. Later transitions (ros2 lifecycle set ...) are the user's, so
-        # a reactivated selectinfer_node does not reconfigure an active profile_manager.
-        return RegisterEventHandler(OnStateTransition(
-            target_lifecycle_node=node, start_state=start, goal_state=goal,
-            entities=[LogInfo(msg=message), *entities], handle_once=True))
+    def finished(_context):
+        progress['done'] = True
+
+    def fail(message, name):
+        def failed(_context):
+            if not progress['done']:  # a later failed transition is the user's to handle
+                return reasons.fail(name, message)
+            return None
+        return OpaqueFunction(function=failed)
+
+    def on_exit(event, _context):
+        if _context.is_shutdown:
+            return None
+        name = next((n for n, a in nodes.items() if a is event.action), event.process_name)
+        when = 'during bring-up' if not progress['done'] else 'while serving'
+        message = f'{name} exited with code {event.returncode} {when}: {reasons.of(name)}'
+        if event.returncode != 0 or not progress['done']:
+            raise BringupFailed(message)
+        return [Shutdown(reason=message)]
+
+    handlers = []
+    # Once: the bring-up chain. Later transitions (ros2 lifecycle set ...) are the user's, so a
+    # reactivated selectinfer_node does not reconfigure an active profile_manager.
+    for step, following in handoffs(BRINGUP):
+        then = [change(following)] if following else [OpaqueFunction(function=finished)]
+        handlers.append(RegisterEventHandler(OnStateTransition(
+            target_lifecycle_node=nodes[step.node], start_state=step.start_state,
+            goal_state=step.goal_state, entities=[LogInfo(msg=step_message(step, following)),
+                                                  *then], handle_once=True)))
+    for step, message in failures(BRINGUP):
+        handlers.append(RegisterEventHandler(OnStateTransition(
+            target_lifecycle_node=nodes[step.node], start_state=step.start_state,
+            goal_state=step.failed_state, entities=[fail(message, step.node)], handle_once=True)))
+    for name, node in nodes.items():
+        handlers.append(RegisterEventHandler(OnProcessIO(target_action=node,
+                                                         on_stderr=reasons.on_stderr(name))))
+        handlers.append(RegisterEventHandler(OnProcessExit(target_action=node, on_exit=on_exit)))
 
     return [
         LogInfo(msg=f'selectinfer: params {params_file}, overrides {overrides}, '
                     f'namespace /{namespace}'),
-        after(inference, 'configuring', 'inactive', 'selectinfer_node: model loaded; activating',
-              change(inference, Transition.TRANSITION_ACTIVATE)),
-        after(inference, 'activating', 'active', 'selectinfer_node: serving; configuring '
-              'profile_manager', change(manager, Transition.TRANSITION_CONFIGURE)),
-        after(manager, 'configuring', 'inactive', 'profile_manager: configured; activating '
-              '(applies the initial task)', change(manager, Transition.TRANSITION_ACTIVATE)),
+        *handlers,
         inference,
         manager,
-        change(inference, Transition.TRANSITION_CONFIGURE),
+        change(BRINGUP[0]),
     ]
 
 

@@ -280,21 +280,30 @@ def changed(current, values: dict[str, Any]):
     return new
 
 
-def add_arguments(ap: argparse.ArgumentParser, cls=ModelOptions, skip: tuple[str, ...] = ()) -> None:
+def add_arguments(ap: argparse.ArgumentParser, cls=ModelOptions, skip: tuple[str, ...] = (),
+                  only: tuple[str, ...] | None = None, unset: str = "") -> None:
     """One ``--flag`` per field of ``cls`` (``load_ratio`` -> ``--load-ratio``), default and help
-    from the field."""
+    from the field; ``only`` limits the fields. With ``unset`` (what an omitted option means,
+    e.g. "the parameters file's value") an omitted option is None instead of the default."""
     for f in fields(cls):
-        if f.name in skip:
+        if f.name in skip or (only is not None and f.name not in only):
             continue
         kind = kind_of(f)
-        default = f.default if f.default is not MISSING else None
+        default = f.default if f.default is not MISSING and not unset else None
         help_text = f.metadata.get("doc", "")
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         if kind is bool:
             ap.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
         else:
             ap.add_argument(*flags, dest=f.name, type=kind, default=default,
-                            help=f"{help_text} (default {default!r})")
+                            help=f"{help_text} (default {unset or repr(default)})")
+
+
+def given_values(cls, args: argparse.Namespace) -> dict[str, Any]:
+    """The options of ``cls`` that were given (not None), each validated by :func:`coerce` (the
+    reason a node's parameter would be refused with)."""
+    return {f.name: coerce(f, getattr(args, f.name)) for f in fields(cls)
+            if getattr(args, f.name, None) is not None}
 
 
 def add_option(ap: argparse.ArgumentParser, cls, name: str, *flags: str, **over: Any) -> None:

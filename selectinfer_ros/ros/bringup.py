@@ -5,9 +5,11 @@
 It does what ``launch/jetson.launch.py`` does on a full ROS install: the same parameters YAML
 (``<node_name>: ros__parameters:`` blocks, matched by rcl as with ``--params-file``), the same
 launch arguments as options (``--model --task --load-ratio --compute-ratio --device --dtype
---namespace``), and it drives both lifecycle nodes through their ``change_state`` services, as
-launch's ChangeState events do: ``selectinfer_node`` configure (model load) and activate (the
-action server appears), then ``profile_manager`` configure and activate. Both nodes spin in one
+--namespace``, built from core/options.py: a bad value is refused with the node parameter's
+reason, exit 2), and it runs the launch file's bring-up chain (``lifecycle_chain.BRINGUP``)
+through the nodes' ``change_state`` services: ``selectinfer_node`` configure (model load) and
+activate (the action server appears), then ``profile_manager`` configure and activate. A step
+that fails exits 1 with the node, the transition and the reason. Both nodes spin in one
 MultiThreadedExecutor. Ctrl-C (or SIGTERM) ends the running goal within a decode step (its
 client gets the result with the reason), shuts both nodes down and exits 0.
 
@@ -20,7 +22,7 @@ import argparse
 import signal
 import sys
 import threading
-import time
+from dataclasses import fields
 from pathlib import Path
 
 import rclpy
@@ -28,10 +30,12 @@ from rclpy.executors import MultiThreadedExecutor
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
+from ..core import options
+from ..core.options import ManagerSettings, NodeSettings, ParamError, given_values
+from .lifecycle_chain import BRINGUP, INFERENCE, MANAGER, Interrupted, StepFailed, run_chain
 from .plumbing import init_context, ns_name, spin_in_background
 
 CONFIG_NAMES = ("desktop.yaml", "jetson_orin_nano.yaml")
-LOAD_TIMEOUT = 1800.0  # seconds for selectinfer_node's configure (a first run converts the model)
 
 
 def config_dir() -> Path:
@@ -56,10 +60,6 @@ def resolve_params_file(name: str | None) -> Path | None:
     raise FileNotFoundError(f"parameters file {name} not found (nor in {config_dir()})")
 
 
-class Interrupted(RuntimeError):
-    """Ctrl-C (or SIGTERM) came while bringing the nodes up."""
-
-
 class Bringup:
     """Both nodes in one process, spun by a background MultiThreadedExecutor."""
 
@@ -78,8 +78,8 @@ class Bringup:
         self.context = init_context(args)
         overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
         node_params = [Parameter(k, value=v) for k, v in overrides.items()]
-        manager_params = [Parameter(k, value=v) for k, v in overrides.items()
-                          if k in ("model", "profiles", "task")]
+        shared = {f.name for f in fields(ManagerSettings)}
+        manager_params = [Parameter(k, value=v) for k, v in overrides.items() if k in shared]
         self.inference = self.manager = self.helper = self.llm = None
         try:
             self.inference = InferenceNode(namespace=namespace, context=self.context,
@@ -99,43 +99,22 @@ class Bringup:
             self.executor.add_node(node)
         self._thread = spin_in_background(self.executor, "bringup-spin")
 
-    def change_state(self, node: str, transition_id: int, timeout: float) -> bool:
-        """Ask node ``node`` for a lifecycle transition through its change_state service (what
-        launch's ChangeState event does)."""
-        from lifecycle_msgs.srv import ChangeState
-        name = ns_name(self.namespace, f"{node}/change_state")
-        client = self.helper.create_client(ChangeState, name)
-        try:
-            if not client.wait_for_service(timeout_sec=10.0):
-                raise RuntimeError(f"service {name} not available")
-            req = ChangeState.Request()
-            req.transition.id = transition_id
-            future = client.call_async(req)
-            end = time.monotonic() + timeout
-            while not future.done():
-                if self.interrupt.wait(0.01):
-                    raise Interrupted(f"interrupted while waiting for {name}")
-                if time.monotonic() > end:
-                    raise TimeoutError(f"{name}: no answer within {timeout:g} s")
-            return bool(future.result().success)
-        finally:
-            self.helper.destroy_client(client)
+    def failure(self, node: str) -> str:
+        """Why ``node`` (``selectinfer_node`` or ``profile_manager``) refused its last transition."""
+        if node == INFERENCE and self.inference is not None:
+            return self.inference.load_error
+        if node == MANAGER and self.manager is not None:
+            return self.manager.failure
+        return ""
 
-    def configure_and_activate(self, timeout: float = LOAD_TIMEOUT) -> None:
-        """configure + activate selectinfer_node, then the profile manager (the order of the
-        launch file); RuntimeError with the reason on failure."""
-        from lifecycle_msgs.msg import Transition
-        if not self.change_state("selectinfer_node", Transition.TRANSITION_CONFIGURE, timeout):
-            raise RuntimeError(f"selectinfer_node refused to configure ("
-                               f"{self.inference.load_error or 'see its log'})")
-        if not self.change_state("selectinfer_node", Transition.TRANSITION_ACTIVATE, 60.0):
-            raise RuntimeError("selectinfer_node refused to activate (see its log)")
-        manager_timeout = self.manager.settings.reload_timeout + 150.0
-        if not self.change_state("profile_manager", Transition.TRANSITION_CONFIGURE, manager_timeout):
-            raise RuntimeError("profile_manager refused to configure (see its log: profiles "
-                               "folder, model, initial task)")
-        if not self.change_state("profile_manager", Transition.TRANSITION_ACTIVATE, manager_timeout):
-            raise RuntimeError("profile_manager refused to activate (see its log)")
+    def configure_and_activate(self, steps=BRINGUP) -> None:
+        """Run the bring-up chain (:data:`~.lifecycle_chain.BRINGUP`, the launch file's order)
+        through the lifecycle services; :class:`StepFailed` names the node, the transition and
+        the reason."""
+        wait = self.manager.settings.reload_timeout + 150.0  # a reload waits for goals ahead
+        run_chain(self.helper, self.namespace, steps, interrupt=self.interrupt,
+                  explain=self.failure,
+                  timeouts={(MANAGER, "configure"): wait, (MANAGER, "activate"): wait})
 
     def _destroy_nodes(self) -> None:
         if self.llm is not None:
@@ -170,44 +149,47 @@ class Bringup:
         self.shutdown()
 
 
+OPTIONS = ("model", "task", "load_ratio", "compute_ratio", "device", "dtype")  # as the launch's
+
+
 def overrides_from_args(args) -> dict:
-    """Parameter overrides from the options that were given (as the launch file does: with
-    ``--device cpu`` and no ``--dtype``, dtype becomes float32, float16 being slow on CPUs)."""
-    out = {"model": args.model, "task": args.task, "load_ratio": args.load_ratio,
-           "compute_ratio": args.compute_ratio, "device": args.device, "dtype": args.dtype}
-    if args.device == "cpu" and not args.dtype:
+    """Parameter overrides from the options that were given, validated as the node validates its
+    parameters (ParamError with the same reason); as the launch file does, with ``--device cpu``
+    and no ``--dtype``, dtype becomes float32 (float16 being slow on CPUs)."""
+    out = given_values(NodeSettings, args)
+    if out.get("device") == "cpu" and "dtype" not in out:
         out["dtype"] = "float32"
     return out
 
 
 def add_arguments(ap: argparse.ArgumentParser, default_params: str | None = "desktop.yaml") -> None:
+    """--params, --namespace and the launch file's arguments (from core/options.py: the same
+    names, help and checks as the nodes' parameters; omitted = the parameters file's value)."""
     ap.add_argument("--params", default=default_params,
                     help="parameters YAML (path, or a name in config/: desktop.yaml, "
                          "jetson_orin_nano.yaml)")
-    ap.add_argument("--namespace", default="llm")
-    ap.add_argument("--model", help="packed model folder (empty = embedded Gemma 3 270M)")
-    ap.add_argument("--task", help="initial task profile")
-    ap.add_argument("--load-ratio", type=float, help="gamma: share of MLP neurons resident")
-    ap.add_argument("--compute-ratio", type=float, help="phi: share computed per token")
-    ap.add_argument("--device", help="cpu, cuda, cuda:N")
-    ap.add_argument("--dtype", help="float32, float16, bfloat16")
+    ap.add_argument("--namespace", default="llm", help="namespace of both nodes (default llm)")
+    options.add_arguments(ap, NodeSettings, only=OPTIONS, unset="the parameters file's value")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 after Ctrl-C, 2 for a refused option or parameter, 1 when a step of the
+    bring-up failed (the node, the transition and the reason on stderr)."""
     from rclpy.utilities import remove_ros_args
 
-    from .nodes.settings import ParamError
     argv = list(sys.argv[1:] if argv is None else argv)
     ros_args = argv[argv.index("--ros-args") + 1:] if "--ros-args" in argv else []
     ap = argparse.ArgumentParser(prog="python -m selectinfer_ros.ros.bringup",
                                  description=__doc__.splitlines()[0])
     add_arguments(ap)
     ap.add_argument("--no-activate", action="store_true",
-                    help="leave the profile manager unconfigured (drive it yourself)")
+                    help="bring up selectinfer_node only; leave the profile manager unconfigured "
+                         "(drive it yourself)")
     args = ap.parse_args(remove_ros_args(["x"] + argv)[1:])
     try:
         params_file = resolve_params_file(args.params)
-    except FileNotFoundError as e:
+        overrides = overrides_from_args(args)
+    except (FileNotFoundError, ParamError) as e:
         print(f"bringup: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()
@@ -216,27 +198,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bringup] parameters {params_file or '(node defaults)'}, namespace /{args.namespace}",
           flush=True)
     try:
-        bringup = Bringup(params_file, args.namespace, overrides_from_args(args), ros_args,
-                          interrupt=stop)
+        bringup = Bringup(params_file, args.namespace, overrides, ros_args, interrupt=stop)
     except ParamError as e:
         print(f"bringup: parameter refused: {e}", file=sys.stderr)
         return 2
     rc = 0
     try:
-        if not args.no_activate:
-            bringup.configure_and_activate()
-            rt = bringup.inference.runtime
-            print(f"[bringup] ready: {ns_name(args.namespace, 'generate')} serving {rt.model_id} "
-                  f"on {rt.device}, task {rt.task or '-'} (load_ratio {rt.load_ratio:g}, "
-                  f"compute_ratio {rt.compute_ratio:g}); profile_manager active; Ctrl-C to stop",
-                  flush=True)
+        steps = [s for s in BRINGUP if s.node == INFERENCE] if args.no_activate else BRINGUP
+        bringup.configure_and_activate(steps)
+        rt = bringup.inference.runtime
+        print(f"[bringup] ready: {ns_name(args.namespace, 'generate')} serving {rt.model_id} "
+              f"on {rt.device}, task {rt.task or '-'} (load_ratio {rt.load_ratio:g}, "
+              f"compute_ratio {rt.compute_ratio:g}); profile_manager "
+              f"{'unconfigured' if args.no_activate else 'active'}; Ctrl-C to stop", flush=True)
         while not stop.wait(0.5):
             if not bringup.context.ok():
                 break
     except Interrupted as e:
         print(f"[bringup] {e}", flush=True)
-    except (RuntimeError, TimeoutError) as e:
-        print(f"bringup: {e}", file=sys.stderr)
+    except StepFailed as e:
+        print(f"bringup: {e}", file=sys.stderr, flush=True)
         rc = 1
     finally:
         print("[bringup] shutting down", flush=True)

@@ -19,16 +19,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("SELECTINFER_QUIET", "1")
     from diagnostic_msgs.msg import DiagnosticArray
 
+    from ..core.options import ParamError
     from .bringup import Bringup, add_arguments, overrides_from_args, resolve_params_file
-    from .plumbing import format_array
-    from .nodes.settings import ParamError
-    from .plumbing import format_result, human_bytes
+    from .plumbing import format_array, format_result, human_bytes
 
     ap = argparse.ArgumentParser(prog="python -m selectinfer_ros.ros.demo",
                                  description=__doc__.splitlines()[0])
     add_arguments(ap)
-    ap.add_argument("--prompt", default="The three primary colors are")
-    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--prompt", default="The three primary colors are", help="the goal's prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=24, help="the goal's max_new_tokens")
     ap.add_argument("--switch-to", default="", help="task to switch to (default: another one)")
     args = ap.parse_args(argv)
     out = sys.stdout
@@ -36,11 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     def say(msg: str = "") -> None:
         print(msg, file=out, flush=True)
 
-    params_file = resolve_params_file(args.params)
+    try:
+        params_file = resolve_params_file(args.params)
+        overrides = overrides_from_args(args)  # refused as the node refuses its parameters
+    except (FileNotFoundError, ParamError) as e:
+        say(f"demo: {e}")
+        return 2
     say(f"== selectinfer ROS 2 demo: parameters {params_file}, namespace /{args.namespace} ==")
     t0 = time.perf_counter()
     try:
-        bringup = Bringup(params_file, args.namespace, overrides_from_args(args))
+        bringup = Bringup(params_file, args.namespace, overrides)
     except ParamError as e:
         say(f"parameter refused: {e}")
         return 2
@@ -70,7 +74,6 @@ def main(argv: list[str] | None = None) -> int:
 
         outcome = llm.generate_async(args.prompt, on_feedback=on_feedback, task=task,
                                      max_new_tokens=args.max_new_tokens, stop=["\n\n"]).wait(600.0)
-        time.sleep(0.05)
         out.write("\n")
         if outcome.result is None:
             raise RuntimeError(f"{outcome.status}: {outcome.error_msg}")

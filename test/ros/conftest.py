@@ -206,11 +206,23 @@ class LLMGraph:
         from rclpy.lifecycle import TransitionCallbackReturn
         return self.node.trigger_configure() == TransitionCallbackReturn.SUCCESS
 
+    def bring_up(self, nodes=None):
+        """The bring-up chain (selectinfer_ros.ros.lifecycle_chain.BRINGUP, as the launch file and
+        bringup run it) through the nodes' lifecycle services; ``nodes`` limits it to those
+        nodes (default: the nodes of this graph). StepFailed names the node and the reason."""
+        from selectinfer_ros.ros.lifecycle_chain import BRINGUP, INFERENCE, MANAGER, run_chain
+        present = {INFERENCE: self.node, MANAGER: self.manager}
+        nodes = nodes or [n for n, obj in present.items() if obj is not None]
+        reasons = {INFERENCE: lambda: self.node.load_error,
+                   MANAGER: lambda: self.manager.failure if self.manager else ''}
+        run_chain(self.client_node, self.namespace, [s for s in BRINGUP if s.node in nodes],
+                  explain=lambda name: reasons[name]())
+        return self
+
     def ready(self, timeout=20.0):
-        """Configure and activate the inference node, then wait for the action server."""
-        from rclpy.lifecycle import TransitionCallbackReturn
-        assert self.configure(), f'model not loaded: {self.node.load_error}'
-        assert self.node.trigger_activate() == TransitionCallbackReturn.SUCCESS
+        """Bring the inference node up (configure, activate), then wait for the action server."""
+        from selectinfer_ros.ros.lifecycle_chain import INFERENCE
+        self.bring_up([INFERENCE])
         assert self.action.wait_for_server(timeout_sec=timeout), 'generate not discovered'
         return self
 

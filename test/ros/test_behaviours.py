@@ -11,8 +11,6 @@ import uuid
 
 import py_trees
 import pytest
-from lifecycle_msgs.msg import Transition
-from lifecycle_msgs.srv import ChangeState
 from py_trees.common import Status
 
 from selectinfer_msgs.action import Generate as GenerateAction
@@ -25,11 +23,8 @@ def embedded_graph(llm_graph):
     """selectinfer_node on the embedded model (0.7 / 0.5) and an active profile_manager."""
     g = llm_graph(manager={'task': 'navigation'}, model='', profiles='', task='navigation',
                   load_ratio=0.7, compute_ratio=0.5, static_ratio=0.3,
-                  max_new_tokens_limit=256).ready(timeout=180.0)
-    for t in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE):
-        req = ChangeState.Request()
-        req.transition.id = t
-        assert g.call(ChangeState, 'profile_manager/change_state', req, 120.0).success
+                  max_new_tokens_limit=256).bring_up()
+    assert g.action.wait_for_server(timeout_sec=60.0)
     return g
 
 
@@ -114,7 +109,7 @@ def assert_canceled_and_next_goal_served_at_once(g, wait_until, canceled):
     t0 = time.monotonic()
     run = g.run(g.goal('The capital of France is', max_new_tokens=2), timeout=60.0)
     assert run.result.error_code == R.NONE
-    assert time.monotonic() - t0 < 5.0, 'the next goal waited for a generation left running'
+    assert time.monotonic() - t0 < 15.0, 'the next goal waited for a generation left running'
 
 
 def test_preempted_branch_cancels_its_goal_mid_generation(embedded_graph, wait_until):

@@ -8,8 +8,6 @@ import time
 import uuid
 
 import pytest
-from lifecycle_msgs.msg import Transition
-from lifecycle_msgs.srv import ChangeState
 
 from selectinfer_msgs.action import Generate
 from selectinfer_ros.ros import client as client_module
@@ -102,7 +100,7 @@ def test_errors_are_data(llm_graph, wait_until):
     assert handle.done() and handle.result().status == STATUS_NO_SERVER
     t0 = time.monotonic()
     assert nobody.generate('w5').status == STATUS_NO_SERVER
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 4.5  # its server_timeout 0.5 s, not the default 5 s
     assert nobody.switch_profile('alpha', timeout=1.0).status == STATUS_NO_SERVER
 
     # a result that misses its timeout: TIMEOUT, and the goal is canceled on the server
@@ -135,11 +133,7 @@ def test_cancel_mid_stream_and_before_the_goal_response(llm_graph, wait_until):
 
 
 def test_switch_profile_through_the_profile_manager(llm_graph):
-    g = llm_graph(manager={'task': 'alpha'}).ready()
-    for t in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE):
-        req = ChangeState.Request()
-        req.transition.id = t
-        assert g.call(ChangeState, 'profile_manager/change_state', req, 60.0).success
+    g = llm_graph(manager={'task': 'alpha'}).bring_up()
     llm = make_client(g)
     out = llm.switch_profile('beta', timeout=60.0)
     assert out.ok and out.text == 'beta' and out.result.bytes_read > 0

@@ -2,7 +2,8 @@
 
 A lifecycle node (as llama_ros's): "action server available" means "goals will be served".
 
-* configure   loads the model (preparing the embedded one once, under an inter-process lock) on
+* configure   checks the files (model folder, profiles, task: FAILURE with the reason) and
+              loads the model (preparing the embedded one once, under an inter-process lock) on
               the serving worker thread; the lifecycle services stay answering meanwhile
               (``ros2 lifecycle get`` works during a long load)
 * activate    creates the ``generate`` action server and the ``reload_base`` service
@@ -54,6 +55,17 @@ def _resolve(node, name: str) -> str:
         return f"{ns}/{name}"
 
 
+def finish_reason(outcome: Outcome, generated: str) -> str:
+    """``finish_reason`` agreeing with the goal's status: ``canceled`` only for a goal its client
+    canceled, ``aborted`` for one the node stopped (deactivate, shutdown: NO_MODEL), ``error`` for
+    another failure; a generation that ended by itself keeps its reason (stop, length)."""
+    if outcome.status == "canceled":
+        return "canceled"
+    if outcome.status == "aborted" and (generated in ("", "canceled")):
+        return "aborted" if outcome.code == "NO_MODEL" else "error"
+    return generated or "error"
+
+
 def result_message(outcome: Outcome) -> Generate.Result:
     """The Generate result of a goal's outcome."""
     r = R(error_code=getattr(R, outcome.code), error_msg=outcome.message,
@@ -68,10 +80,10 @@ def result_message(outcome: Outcome) -> Generate.Result:
         return r
     res = outcome.result
     if res is None:
-        r.finish_reason = "canceled" if outcome.status == "canceled" else "error"
+        r.finish_reason = finish_reason(outcome, "")
         return r
     m = res.metrics
-    r.text, r.finish_reason = res.text, res.finish_reason
+    r.text, r.finish_reason = res.text, finish_reason(outcome, res.finish_reason)
     r.prompt_tokens, r.generated_tokens = m.prompt_tokens, m.generated_tokens
     r.time_to_first_token, r.tokens_per_second = m.time_to_first_token, m.tokens_per_second
     return r
@@ -115,10 +127,8 @@ class InferenceNode(LifecycleNodeMixin, Node):
         Node.__init__(self, node_name, namespace=namespace, **kwargs)
         # Lifecycle services in a reentrant group: get_state answers while configure loads.
         LifecycleNodeMixin.__init__(self, callback_group=ReentrantCallbackGroup())
-        try:
+        try:  # values only; the files are checked by configure
             self.settings: NodeSettings = declare(self, NodeSettings)
-            check_model_files(self.settings.model, self.settings.profiles, self.settings.task,
-                              need_profiles=self._needs_profiles())
         except ParamError as e:
             self.get_logger().error(f"refusing to start: {e}")
             Node.destroy_node(self)
@@ -170,8 +180,12 @@ class InferenceNode(LifecycleNodeMixin, Node):
         s = self.settings
         log.info(f"configuring: loading {s.model or 'the embedded Gemma 3 270M'} on {s.device} "
                  f"(the lifecycle services keep answering)")
-        try:
-            rt = self.server.load(lambda: Runtime(s, log=log.info))
+        def make():
+            check_model_files(s.model, s.profiles, s.task, need_profiles=self._needs_profiles())
+            return Runtime(s, log=log.info)
+
+        try:  # a refused file is reported as a failed load (load_error, diagnostics)
+            rt = self.server.load(make)
         except Exception as e:  # noqa: BLE001 - reported, the node stays unconfigured
             log.error(f"configure failed: {type(e).__name__}: {e}")
             return TransitionCallbackReturn.FAILURE

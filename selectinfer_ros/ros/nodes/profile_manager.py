@@ -61,6 +61,7 @@ class ProfileManager(LifecycleNodeMixin, Node):
         self._switch_srv = None
         self._last_loaded: ActiveProfile | None = None
         self.active_task = ""
+        self.failure = ""  # why the last transition failed ('' after a success)
         # For the node's whole life: rclpy's executor can die on a publisher's or subscription's
         # event handler destroyed while it spins (a cleanup transition), unlike on a service.
         self._active_pub = self.create_lifecycle_publisher(ActiveProfile, "active_profile", LATCHED)
@@ -86,8 +87,10 @@ class ProfileManager(LifecycleNodeMixin, Node):
                                f"({', '.join(catalog.tasks)})")
         except (OSError, ValueError, KeyError) as e:
             reason = e.args[0] if isinstance(e, KeyError) and e.args else e
+            self.failure = f"{type(e).__name__}: {reason}"
             log.error(f"configure failed: {reason}")
             return TransitionCallbackReturn.FAILURE
+        self.failure = ""
         self._manifest, self._catalog = manifest, catalog
         self._reload_client = self.create_client(ReloadBase, "reload_base", callback_group=self._group)
         self._switch_srv = self.create_service(SwitchProfile, "switch_profile", self._on_switch,
@@ -103,6 +106,7 @@ class ProfileManager(LifecycleNodeMixin, Node):
             return ret
         task = self.settings.task
         resp = self.reload(task)
+        self.failure = "" if resp.success else f"initial task {task!r}: {resp.message}"
         if not resp.success:
             self.get_logger().error(f"activate failed: {resp.message}")
             super().on_deactivate(state)

@@ -3,8 +3,9 @@
 Each field of :class:`NodeSettings` / :class:`ManagerSettings` becomes a parameter whose
 descriptor carries its type, description, range and ``read_only`` (fields that cannot change
 while the node runs), as py_trees_ros declares its parameters; values are validated by the
-core's ``coerce`` and ``check``. File checks (model folder, profiles match the model) are here:
-they are cheap and let a node refuse a bad value at once.
+core's ``coerce`` and ``check``: a bad value is refused when the node is made. The file checks
+(model folder, profiles match the model, task) are here too; the nodes run them when they
+configure (FAILURE with the reason).
 """
 from __future__ import annotations
 
@@ -103,7 +104,10 @@ def declare(node, cls) -> Any:
         desc.dynamic_typing = True
         try:
             value = node.declare_parameter(f.name, f.default, desc).value
-        except InvalidParameterValueException as e:
+        except InvalidParameterValueException as e:  # outside the descriptor's range
+            given = getattr(node, "_parameter_overrides", {}).get(f.name)
+            if given is not None:
+                coerce(f, given.value)  # the core's reason: "load_ratio must be in ..., got 1.7"
             raise ParamError(f"{f.name} {range_text(f)}: {e}") from None
         values[f.name] = coerce(f, value)
     return from_values(cls, values)

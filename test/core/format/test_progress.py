@@ -1,6 +1,7 @@
 """Progress output when stderr is a pipe (as under ros2 launch): plain lines, not bar frames."""
 from __future__ import annotations
 
+import threading
 import time
 
 from selectinfer_ros.core.format import progress as prog
@@ -32,9 +33,16 @@ def test_quiet_passes_the_iterable_through(monkeypatch, capsys):
 
 def test_heartbeat_logs_while_the_block_runs():
     said: list[str] = []
-    with prog.heartbeat(said.append, "[default-model] converting", every=0.02):
-        time.sleep(0.09)
+    two = threading.Event()
+
+    def log(line: str) -> None:
+        said.append(line)
+        if len(said) >= 2:
+            two.set()
+
+    with prog.heartbeat(log, "[default-model] converting", every=0.02):
+        assert two.wait(30.0)  # the block runs until the second beat
     n = len(said)
     assert n >= 2 and all(s.startswith("[default-model] converting: still running (") for s in said)
-    time.sleep(0.05)
+    time.sleep(0.1)  # five periods: a beat thread left running would have logged
     assert len(said) == n  # stopped with the block

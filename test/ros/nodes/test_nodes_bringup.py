@@ -133,10 +133,11 @@ def test_goal_right_after_wait_for_server_then_ctrl_c_ends_it_with_a_reason(ros_
         assert run.wait_feedback(3, 30.0)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        run.wait(15.0)
-        assert time.monotonic() - t0 < 5.0
+        run.wait(30.0)
+        assert time.monotonic() - t0 < 10.0
         assert run.status == GoalStatus.STATUS_ABORTED
         assert run.result.error_msg.startswith('node shutting down')
+        assert run.result.finish_reason == 'aborted'  # agrees with the status
         assert 3 <= run.result.generated_tokens < 500
         assert proc.wait(30) == 0, ''.join(out.lines)
     finally:
@@ -149,13 +150,72 @@ def test_goal_right_after_wait_for_server_then_ctrl_c_ends_it_with_a_reason(ros_
 
 
 def test_bringup_refuses_bad_parameters(tiny_llm):
+    """An option out of range is refused with the node parameter's reason, before any node."""
     res = subprocess.run(
         [sys.executable, '-m', 'selectinfer_ros.ros.bringup', '--params', 'desktop.yaml',
          '--model', str(tiny_llm.model), '--task', 'alpha', '--load-ratio', '1.5',
          '--namespace', f'llm_{uuid.uuid4().hex[:8]}'],
-        capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
+        capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
     assert res.returncode == 2, res.stdout + res.stderr
-    assert 'load_ratio must be in (0.0, 1.0]' in res.stderr
+    assert 'load_ratio must be in (0.0, 1.0], got 1.5' in res.stderr
+    assert '[bringup] parameters' not in res.stdout  # refused before the nodes were made
+
+
+def test_options_come_from_the_core_settings():
+    import argparse
+
+    from selectinfer_ros.core.options import ParamError, coerce
+    from selectinfer_ros.core.options import NodeSettings
+    from selectinfer_ros.ros.bringup import add_arguments, overrides_from_args
+    from dataclasses import fields
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    assert overrides_from_args(ap.parse_args([])) == {}  # omitted: the parameters file's values
+    assert overrides_from_args(ap.parse_args(['--device', 'cpu', '--load-ratio', '0.6'])) == \
+        {'device': 'cpu', 'load_ratio': 0.6, 'dtype': 'float32'}
+    load_ratio = next(f for f in fields(NodeSettings) if f.name == 'load_ratio')
+    for bad in ('0', '1.7', 'nan'):
+        with pytest.raises(ParamError) as e:
+            overrides_from_args(ap.parse_args(['--load-ratio', bad]))
+        with pytest.raises(ParamError) as node_reason:
+            coerce(load_ratio, float(bad))
+        assert str(e.value) == str(node_reason.value)
+    with pytest.raises(ParamError, match='dtype must be one of'):
+        overrides_from_args(ap.parse_args(['--dtype', 'int8']))
+    assert 'gamma: share of MLP neurons' in ap.format_help()  # the core's help text
+
+
+def test_bringup_exits_1_naming_the_node_and_reason_when_a_transition_fails(tiny_llm, tmp_path):
+    """A file the nodes refuse at configure (an unknown task): exit 1, with the node, the
+    transition and the reason, and both nodes shut down."""
+    res = subprocess.run(
+        [sys.executable, '-m', 'selectinfer_ros.ros.bringup', '--params', 'desktop.yaml',
+         '--model', str(tiny_llm.model), '--task', 'gamma', '--load-ratio', '0.7',
+         '--compute-ratio', '0.5',
+         '--namespace', f'llm_{uuid.uuid4().hex[:8]}', '--ros-args', '-p',
+         f'profiles:={tiny_llm.profiles}'],
+        capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+    assert res.returncode == 1, res.stdout + res.stderr
+    line = next((ln for ln in res.stderr.splitlines() if ln.startswith('bringup: ')), '')
+    assert line.startswith('bringup: selectinfer_node failed to configure (now unconfigured): '
+                           'load failed: ParamError: task: unknown task \'gamma\''), res.stderr
+    assert '[bringup] shutting down' in res.stdout
+
+
+def test_the_bringup_chain_order_and_its_failure_states():
+    from selectinfer_ros.ros.lifecycle_chain import BRINGUP, failures, handoffs
+    assert [(s.node, s.transition) for s in BRINGUP] == [
+        ('selectinfer_node', 'configure'), ('selectinfer_node', 'activate'),
+        ('profile_manager', 'configure'), ('profile_manager', 'activate')]
+    assert [(a.node, a.start_state, a.goal_state, b and (b.node, b.transition))
+            for a, b in handoffs()] == [
+        ('selectinfer_node', 'configuring', 'inactive', ('selectinfer_node', 'activate')),
+        ('selectinfer_node', 'activating', 'active', ('profile_manager', 'configure')),
+        ('profile_manager', 'configuring', 'inactive', ('profile_manager', 'activate')),
+        ('profile_manager', 'activating', 'active', None)]
+    assert [(s.start_state, s.failed_state) for s, _ in failures()] == [
+        ('configuring', 'unconfigured'), ('activating', 'inactive')] * 2
+    assert all(s.node in msg and s.transition in msg for s, msg in failures())
 
 
 @pytest.mark.parametrize('name', ['desktop.yaml', 'jetson_orin_nano.yaml'])
@@ -185,7 +245,8 @@ def test_config_files_use_known_parameters_and_valid_ratios(name):
 
 def test_launch_file_declares_the_arguments_and_chains_both_lifecycles():
     """launch/launch_ros are not on the package registries (the launch file was checked by hand
-    with them built from source, see the README): here its declarations are read from the file."""
+    with them built from source, see the README): here its declarations are read from the file.
+    The chain itself is BRINGUP's (test_the_bringup_chain_order_and_its_failure_states)."""
     text = LAUNCH.read_text()
     tree = ast.parse(text)
     args = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
@@ -200,18 +261,16 @@ def test_launch_file_declares_the_arguments_and_chains_both_lifecycles():
     lifecycle = [c for c in calls if getattr(c.func, 'id', '') == 'LifecycleNode']
     assert sorted(kw.value.value for c in lifecycle for kw in c.keywords if kw.arg == 'name') == \
         ['profile_manager', 'selectinfer_node']
-    # the chain: inference configuring->inactive: activate; activating->active: configure the
-    # manager; manager configuring->inactive: activate; and the first configure of the inference
-    chain = [(c.args[0].id, c.args[1].value, c.args[2].value, c.args[4].args[0].id,
-              c.args[4].args[1].attr) for c in calls if getattr(c.func, 'id', '') == 'after']
-    assert chain == [('inference', 'configuring', 'inactive', 'inference', 'TRANSITION_ACTIVATE'),
-                     ('inference', 'activating', 'active', 'manager', 'TRANSITION_CONFIGURE'),
-                     ('manager', 'configuring', 'inactive', 'manager', 'TRANSITION_ACTIVATE')]
-    first = [c for c in calls if getattr(c.func, 'id', '') == 'change'
-             and isinstance(c.args[0], ast.Name) and c.args[0].id == 'inference'
-             and c.args[1].attr == 'TRANSITION_CONFIGURE']
-    assert len(first) == 1
-    # the chain runs once (a later deactivate/activate must not reconfigure an active manager)
+    # the chain comes from the one ordered list the bringup and the tests run
+    imported = {a.name for n in tree.body if isinstance(n, ast.ImportFrom)
+                and n.module == 'selectinfer_ros.ros.lifecycle_chain' for a in n.names}
+    assert {'BRINGUP', 'handoffs', 'failures'} <= imported
+    # handoffs and failures each become OnStateTransition handlers that run once (a later
+    # deactivate/activate must not reconfigure an active manager)
     handlers = [c for c in calls if getattr(c.func, 'id', '') == 'OnStateTransition']
     assert [kw.value.value for c in handlers for kw in c.keywords if kw.arg == 'handle_once'] \
-        == [True]
+        == [True, True]
+    assert any(getattr(c.func, 'id', '') == 'OnProcessExit' for c in calls)  # a node that dies
+    raised = [n.exc.func.id for n in ast.walk(tree) if isinstance(n, ast.Raise) and n.exc is not None
+              and isinstance(n.exc, ast.Call)]
+    assert raised and set(raised) == {'BringupFailed'}  # ends the launch with exit status 1

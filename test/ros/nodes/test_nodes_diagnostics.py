@@ -44,13 +44,16 @@ def test_diagnostics_at_period_with_keys_and_engine_values(llm_graph, wait_until
     assert not g.send(g.goal('')).accepted
     local = DiagLog(g, 'diagnostics')
     glob = DiagLog(g, '/diagnostics')
-    assert wait_until(lambda: len(local) >= 9, 10.0), 'diagnostics not arriving'
-    assert wait_until(lambda: len(glob.ours()) >= 2, 10.0), 'nothing of ours on /diagnostics'
-    times = [t for t, _ in local.ours()]
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert wait_until(lambda: len(local) >= 17, 60.0), 'diagnostics not arriving'
+    assert wait_until(lambda: len(glob.ours()) >= 2, 30.0), 'nothing of ours on /diagnostics'
+    # the period over 16 gaps, from the stamps the timer callback set (delivery jitter left
+    # out): the configured 0.25 s, not the fixture's 0.5 s nor the default 1 s; a busy machine
+    # may delay a callback (rcl then skips the missed call), never run it early
+    stamps = [m.header.stamp.sec + 1e-9 * m.header.stamp.nanosec for _, m in local.ours()]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     mean = sum(gaps) / len(gaps)
-    assert abs(mean - period) < 0.08, f'mean period {mean:.3f} s, expected {period}'
-    assert max(gaps) < 3 * period
+    assert 0.8 * period <= mean <= 1.6 * period, f'mean period {mean:.3f} s, expected {period}'
+    assert max(gaps) < 10 * period, f'a pause of {max(gaps):.2f} s'
 
     arr = local.ours()[-1][1]
     st = by_name(arr)

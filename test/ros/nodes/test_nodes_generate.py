@@ -71,7 +71,7 @@ def test_invalid_goals_are_rejected_at_once_and_node_keeps_serving(llm_graph):
         t0 = time.monotonic()
         run = g.send(g.goal(prompt, **fields))
         assert not run.accepted, f'{reason}: goal accepted'
-        assert time.monotonic() - t0 < 1.0, f'{reason}: goal response took too long'
+        assert time.monotonic() - t0 < 5.0, f'{reason}: goal response took too long'
     assert g.node.runtime.stats.rejected == len(INVALID_GOALS)
     assert g.node.snapshot().last_rejection.startswith('INVALID_GOAL: ')
     # still serving, and the limits themselves are accepted
@@ -263,15 +263,11 @@ def test_bad_parameters_at_start_are_refused_with_reason(ros_context, tiny_llm, 
     other = tmp_path / 'other-profiles'
     Profile('alpha', 'another-model', 'f' * 16, torch.ones(3, 256), 10, 'x').save(
         other / 'alpha.safetensors')
-    cases = [
+    cases = [  # values: refused when the node is made
         (dict(load_ratio=1.5), 'load_ratio'),
         (dict(load_ratio=0.0), 'load_ratio'),
         (dict(static_ratio=0.6, compute_ratio=0.5), 'static_ratio'),
         (dict(compute_ratio=0.9), 'compute_ratio'),
-        (dict(model=str(tmp_path / 'missing')), 'does not exist'),
-        (dict(model=str(tmp_path)), 'model'),
-        (dict(profiles=str(other)), 'fingerprint'),
-        (dict(task='gamma'), 'unknown task'),
         (dict(max_new_tokens=2000, max_new_tokens_limit=1000), 'max_new_tokens'),
         (dict(queue_length=-2), 'queue_length'),
         (dict(dtype='int8'), 'dtype'),
@@ -283,9 +279,24 @@ def test_bad_parameters_at_start_are_refused_with_reason(ros_context, tiny_llm, 
         with pytest.raises(ParamError) as info:
             _start_node(ros_context, **{**base, **params})
         assert needle in str(info.value), (params, str(info.value))
+    from rclpy.lifecycle import TransitionCallbackReturn
+    files = [  # files: the node starts, its configure fails with the reason, nothing loaded
+        (dict(model=str(tmp_path / 'missing')), 'does not exist'),
+        (dict(model=str(tmp_path)), 'model'),
+        (dict(profiles=str(other)), 'fingerprint'),
+        (dict(task='gamma'), 'unknown task'),
+    ]
+    for params, needle in files:
+        node = _start_node(ros_context, **{**base, **params})
+        try:
+            assert node.trigger_configure() == TransitionCallbackReturn.FAILURE, params
+            assert node.load_error.startswith('load failed: ParamError: ') and \
+                needle in node.load_error, (params, node.load_error)
+            assert node.runtime is None and node.lifecycle_state == 'unconfigured'
+        finally:
+            node.destroy_node()
     node = _start_node(ros_context, **base)  # the good values start
     try:
-        from rclpy.lifecycle import TransitionCallbackReturn
         assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS, node.load_error
     finally:
         node.destroy_node()

@@ -49,24 +49,27 @@ def test_goal_sent_right_after_wait_for_server_is_served(llm_graph):
 def test_get_state_answers_during_a_long_configure(llm_graph, monkeypatch):
     from selectinfer_ros.core.serving import runtime
     real_init = runtime.Runtime.__init__
+    loading, release = threading.Event(), threading.Event()
 
-    def slow_init(self, *a, **k):  # the real load, after a pause (a big model, a conversion)
-        time.sleep(3.0)
+    def held_init(self, *a, **k):  # the real load, held until the test has its answer
+        loading.set()
+        assert release.wait(60.0)
         real_init(self, *a, **k)
 
-    monkeypatch.setattr(runtime.Runtime, '__init__', slow_init)
+    monkeypatch.setattr(runtime.Runtime, '__init__', held_init)
     g = llm_graph()
     done = {}
     t = threading.Thread(target=lambda: done.update(ok=_change(g, Transition.TRANSITION_CONFIGURE)))
-    t0 = time.monotonic()
     t.start()
-    time.sleep(0.5)
-    state = g.call(GetState, 'selectinfer_node/get_state', GetState.Request(), timeout=2.0)
-    assert time.monotonic() - t0 < 2.5
-    assert state.current_state.id == State.TRANSITION_STATE_CONFIGURING
-    arr = g.node.publish_diagnostics()  # diagnostics say why nothing is served yet
-    assert 'no model loaded (loading)' in arr.status[0].message
-    t.join(30.0)
+    try:
+        assert loading.wait(30.0)  # configure is running and cannot end before release
+        state = g.call(GetState, 'selectinfer_node/get_state', GetState.Request(), timeout=30.0)
+        assert state.current_state.id == State.TRANSITION_STATE_CONFIGURING
+        arr = g.node.publish_diagnostics()  # diagnostics say why nothing is served yet
+        assert 'no model loaded (loading)' in arr.status[0].message
+    finally:
+        release.set()
+        t.join(60.0)
     assert done == {'ok': True}
     state = g.call(GetState, 'selectinfer_node/get_state', GetState.Request())
     assert state.current_state.id == State.PRIMARY_STATE_INACTIVE
@@ -78,16 +81,15 @@ def test_deactivate_ends_goals_with_a_reason_then_reactivate_and_cleanup(llm_gra
     waiting = g.send(g.goal('w8 w9', max_new_tokens=4))
     assert running.accepted and waiting.accepted
     assert running.wait_feedback(2, 30.0)
-    t0 = time.monotonic()
     assert _change(g, Transition.TRANSITION_DEACTIVATE)
-    running.wait(10.0)
-    waiting.wait(10.0)
-    assert time.monotonic() - t0 < 5.0
+    running.wait(30.0)
+    waiting.wait(30.0)
     for run in (running, waiting):
         assert run.status == GoalStatus.STATUS_ABORTED
         assert run.result.error_code == R.NO_MODEL
         assert run.result.error_msg.startswith('node deactivating')
-    assert 0 < running.result.generated_tokens < 2000
+        assert run.result.finish_reason == 'aborted'  # agrees with the status
+    assert 0 < running.result.generated_tokens < 2000  # ended within a few steps, not at 2000
     assert wait_until(lambda: running.result.text == running.text(), 5.0)  # feedback may trail
     assert wait_until(lambda: not g.action.server_is_ready(), 10.0)  # the server is gone
     assert g.node.runtime is not None  # inactive keeps the model
