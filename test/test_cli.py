@@ -216,7 +216,7 @@ def test_modules_and_files_the_readme_names_exist():
     assert len(text.splitlines()) <= 250
     modules = set(re.findall(r"python -m (selectinfer_ros[\w.]+)", text))
     assert len(modules) >= 5 and all(importlib.util.find_spec(m) for m in modules), modules
-    links = set(re.findall(r"\]\(([\w./-]+)\)", text)) - {"docs/security.md"}  # security: another part
+    links = set(re.findall(r"\]\(([\w./-]+)\)", text))
     named = {"launch/jetson.launch.py", "config/desktop.yaml", "config/jetson_orin_nano.yaml",
              "selectinfer_ros/data/examples/robot_commands.txt", "profiles/gemma3-270m"}
     assert len(links) >= 4 and all(p.removeprefix("launch/") in text for p in named)
