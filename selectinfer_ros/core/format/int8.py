@@ -2,7 +2,7 @@
 
 A weight row (a gate or up row, a down column, an attention or output row) is stored as int8
 with one float32 scale: ``w ~= q * scale``, ``|q| <= 127``. On CPUs the product runs in a small C
-kernel of this package (``kernels/int8_linear.c``: activations quantized per block of 32 like
+kernel of this package (``kernels/int8_decode.c``: activations quantized per block of 32 like
 llama.cpp's Q8_0, int8 dot products, AVX2 where the CPU has it), compiled once with the system C
 compiler into the model cache and called through ctypes; the same library runs a whole decode
 step of an int8 model (:class:`.decode.NativeInt8Step`). Where it cannot be built (no compiler)
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-SOURCE = Path(__file__).with_name("kernels") / "int8_linear.c"
+SOURCE = Path(__file__).with_name("kernels") / "int8_decode.c"
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
@@ -61,7 +61,7 @@ def _build() -> ctypes.CDLL:
     flags = _compile_flags()
     cc = os.environ.get("CC", "cc")
     tag = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc] + flags).encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"int8_linear-{platform.machine()}-{tag}.so"
+    out = cache_root() / "kernels" / f"int8_decode-{platform.machine()}-{tag}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
