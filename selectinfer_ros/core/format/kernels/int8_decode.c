@@ -1,4 +1,4 @@
-/* int8 weight x float activation matrix products for selectinfer_ros.
+/* int8 weight x float activation products, and the whole int8 decode step, for selectinfer_ros.
 
    y[m, n] = scale[n] * sum_k w[n, k] * x[m, k]
 
@@ -8,11 +8,25 @@
 
    The activations are quantized per block of 32 values to int8 with their own float scale
    (llama.cpp's Q8_0 layout), then every weight row is read once for all M activation rows.
-   AVX2: 32 int8 products per maddubs; elsewhere plain C that compilers vectorize (NEON dot
-   products with -march=native on the Jetson's cores).
+
+   The instruction set is chosen at compile time from the compiler's macros (the Python side
+   passes the flags for what /proc/cpuinfo lists; si_isa() names the path compiled in):
+     avx512vnni  AVX-512 VNNI: vpdpbusd on two blocks (64 bytes) per instruction
+     avx512bw    AVX-512BW: maddubs + madd on two blocks per instruction
+     avxvnni     AVX-VNNI: vpdpbusd on 256 bits
+     avx2        AVX2 + FMA: maddubs + madd on 256 bits
+     neon-dotprod / neon-i8mm   aarch64 NEON sdot (the Jetson Orin's Cortex-A78AE)
+     plain       plain C, the reference (-DSI_PLAIN forces it)
+   Every path computes each block's integer dot product exactly; they differ only in the
+   order of the float sums over blocks (float rounding).
 
    si_decode_layers (below) runs every decoder layer of one decode step of an int8 model in one
-   call, on these products: no framework dispatch between the small operations of a layer.
+   call, in one parallel region (threads meet at barriers between the products), with no
+   framework dispatch between the small operations of a layer.
+
+   The contract with the Python side (ctypes): si_abi() returns SI_ABI_VERSION and the sizes of
+   the structs; the caller refuses a library whose answer differs from its own mirror. Change
+   SI_ABI_VERSION with any change of a struct or of an exported function's signature.
 */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
@@ -20,11 +34,47 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+
+#ifndef SI_ABI_VERSION
+#define SI_ABI_VERSION 3
+#endif
+
+#if defined(SI_PLAIN)
+#define SI_ISA "plain"
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX2__) && defined(__FMA__)
+#define SI_AVX512 1
+#define SI_VNNI512 1
+#define SI_ISA "avx512vnni"
+#elif defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__)
+#define SI_AVX512 1
+#define SI_ISA "avx512bw"
+#elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__)
+#define SI_AVX2 1
+#define SI_AVXVNNI 1
+#define SI_ISA "avxvnni"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SI_AVX2 1
+#define SI_ISA "avx2"
+#elif defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+#define SI_NEON_DOT 1
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+#define SI_ISA "neon-i8mm"
+#else
+#define SI_ISA "neon-dotprod"
+#endif
+#else
+#define SI_ISA "plain"
+#endif
+
+#if defined(SI_AVX512) || defined(SI_AVX2)
+#include <immintrin.h>
+#endif
+#ifdef SI_NEON_DOT
+#include <arm_neon.h>
 #endif
 
 #define QK 32
@@ -32,10 +82,10 @@
 #define PF 1024 /* bytes ahead of each weight row's read: the rows are short streams */
 #endif
 
-/* x [K] -> xq [nb * QK] int8 (zero padded), xd [nb] block scales; nb = ceil(K / QK). */
-static void quantize_row(const float *x, int64_t K, int8_t *xq, float *xd) {
-    int64_t nb = (K + QK - 1) / QK;
-    for (int64_t b = 0; b < nb; b++) {
+/* x [K] blocks [b0, b1) -> xq (zero padded to whole blocks), xd block scales. */
+static void quantize_blocks(const float *x, int64_t K, int64_t b0, int64_t b1, int8_t *xq,
+                            float *xd) {
+    for (int64_t b = b0; b < b1; b++) {
         int64_t lo = b * QK, hi = lo + QK < K ? lo + QK : K;
         float amax = 0.0f;
         for (int64_t k = lo; k < hi; k++) {
@@ -49,20 +99,39 @@ static void quantize_row(const float *x, int64_t K, int8_t *xq, float *xd) {
     }
 }
 
-#ifdef __AVX2__
-static inline float hsum(__m256 v) {
+/* x [K] -> xq [nb * QK] int8 (zero padded), xd [nb] block scales; nb = ceil(K / QK). */
+static void quantize_row(const float *x, int64_t K, int8_t *xq, float *xd) {
+    quantize_blocks(x, K, 0, (K + QK - 1) / QK, xq, xd);
+}
+
+/* dot<R>(w, ldw, nfull, xq, xd, out): out[r] = sum over the nfull full blocks b of
+   xd[b] * sum_{k in b} w[r * ldw + k] * xq[k], for R = 1 and 4 rows. */
+#if defined(SI_AVX2) || defined(SI_AVX512)
+static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
-/* Dot products of R weight rows with one quantized activation row over the full blocks. */
+/* One block: |x| (unsigned) times w with x's sign, summed to 8 int32 lanes. */
+static inline __m256i blk256(__m256i ax, __m256i xv, __m256i wv) {
+    __m256i sw = _mm256_sign_epi8(wv, xv);
+#if defined(SI_AVXVNNI)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ax, sw);
+#elif defined(SI_VNNI512)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sw);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+#if defined(SI_AVX2)
 #define DOT_ROWS(R)                                                                          \
     static inline void dot##R(const int8_t *w, int64_t ldw, int64_t nfull, const int8_t *xq,  \
                               const float *xd, float *out) {                                  \
         __m256 acc[R];                                                                        \
-        const __m256i ones = _mm256_set1_epi16(1);                                            \
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                             \
         for (int64_t b = 0; b < nfull; b++) {                                                 \
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));                  \
@@ -71,12 +140,74 @@ static inline float hsum(__m256 v) {
             for (int r = 0; r < R; r++) {                                                     \
                 _mm_prefetch((const char *)(w + r * ldw + b * QK + PF), _MM_HINT_T0);        \
                 __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * ldw + b * QK));     \
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, xv)), \
-                                              ones);                                          \
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[r]);                   \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blk256(ax, xv, wv)), d, acc[r]);  \
             }                                                                                 \
         }                                                                                     \
-        for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);                                    \
+        for (int r = 0; r < R; r++) out[r] = hsum256(acc[r]);                                 \
+    }
+DOT_ROWS(1)
+DOT_ROWS(4)
+#elif defined(SI_AVX512)
+/* Two blocks per 512-bit register: the weights take the activations' sign by a masked
+   negation (|w| <= 127), the activations' magnitudes are the unsigned operand. */
+static inline __m512i blk512(__m512i ax, __mmask64 neg, __m512i wv) {
+    __m512i sw = _mm512_mask_sub_epi8(wv, neg, _mm512_setzero_si512(), wv);
+#if defined(SI_VNNI512)
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), ax, sw);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(ax, sw), _mm512_set1_epi16(1));
+#endif
+}
+
+#define DOT_ROWS(R)                                                                          \
+    static inline void dot##R(const int8_t *w, int64_t ldw, int64_t nfull, const int8_t *xq,  \
+                              const float *xd, float *out) {                                  \
+        __m512 acc[R];                                                                        \
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                             \
+        int64_t b = 0;                                                                        \
+        for (; b + 2 <= nfull; b += 2) {                                                      \
+            __m512i xv = _mm512_loadu_si512((const void *)(xq + b * QK));                     \
+            __m512i ax = _mm512_abs_epi8(xv);                                                 \
+            __mmask64 neg = _mm512_movepi8_mask(xv);                                          \
+            __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(xd[b]),                    \
+                                            _mm512_set1_ps(xd[b + 1]));                       \
+            for (int r = 0; r < R; r++) {                                                     \
+                _mm_prefetch((const char *)(w + r * ldw + b * QK + PF), _MM_HINT_T0);        \
+                __m512i wv = _mm512_loadu_si512((const void *)(w + r * ldw + b * QK));        \
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(blk512(ax, neg, wv)), d, acc[r]); \
+            }                                                                                 \
+        }                                                                                     \
+        float last[R];                                                                        \
+        for (int r = 0; r < R; r++) last[r] = 0.0f;                                           \
+        if (b < nfull) {                                                                      \
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));                  \
+            __m256i ax = _mm256_sign_epi8(xv, xv);                                            \
+            for (int r = 0; r < R; r++) {                                                     \
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * ldw + b * QK));     \
+                last[r] = hsum256(_mm256_cvtepi32_ps(blk256(ax, xv, wv))) * xd[b];            \
+            }                                                                                 \
+        }                                                                                     \
+        for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + last[r];          \
+    }
+DOT_ROWS(1)
+DOT_ROWS(4)
+#elif defined(SI_NEON_DOT)
+#define DOT_ROWS(R)                                                                          \
+    static inline void dot##R(const int8_t *w, int64_t ldw, int64_t nfull, const int8_t *xq,  \
+                              const float *xd, float *out) {                                  \
+        float32x4_t acc[R];                                                                   \
+        for (int r = 0; r < R; r++) acc[r] = vdupq_n_f32(0.0f);                               \
+        for (int64_t b = 0; b < nfull; b++) {                                                 \
+            int8x16_t x0 = vld1q_s8(xq + b * QK), x1 = vld1q_s8(xq + b * QK + 16);            \
+            for (int r = 0; r < R; r++) {                                                     \
+                const int8_t *wr = w + r * ldw + b * QK;                                      \
+                __builtin_prefetch(wr + PF);                                                  \
+                int32x4_t p = vdotq_s32(vdupq_n_s32(0), vld1q_s8(wr), x0);                    \
+                p = vdotq_s32(p, vld1q_s8(wr + 16), x1);                                      \
+                acc[r] = vfmaq_n_f32(acc[r], vcvtq_f32_s32(p), xd[b]);                        \
+            }                                                                                 \
+        }                                                                                     \
+        for (int r = 0; r < R; r++) out[r] = vaddvq_f32(acc[r]);                              \
     }
 DOT_ROWS(1)
 DOT_ROWS(4)
@@ -106,9 +237,62 @@ static inline float tail(const int8_t *w, int64_t from, int64_t K, const float *
     return s;
 }
 
+/* Threads: without OpenMP every call runs on one. */
+static int clamp_threads(int threads) {
+#ifdef _OPENMP
+    return threads < 1 ? 1 : threads;
+#else
+    (void)threads;
+    return 1;
+#endif
+}
+
+static inline int team_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static inline int team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+/* [lo, hi) of n items for member t of a team of nt: contiguous, sizes differ by at most 1. */
+static inline void share(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
+    *lo = n * t / nt;
+    *hi = n * (t + 1) / nt;
+}
+
+/* Rows [g0 * 4, min(g1 * 4, N)) of y = scale * (W . x), x quantized as (xq, xd). */
+static void rows_q(const int8_t *w, int64_t ldw, int64_t N, int64_t K, const float *scale,
+                   const int8_t *xq, const float *xd, const float *x, float *y, int64_t g0,
+                   int64_t g1) {
+    int64_t nfull = K / QK, from = nfull * QK;
+    for (int64_t g = g0; g < g1; g++) {
+        int64_t n0 = g * 4, rows = N - n0 < 4 ? N - n0 : 4;
+        const int8_t *wg = w + n0 * ldw;
+        float out[4];
+        if (rows == 4) {
+            dot4(wg, ldw, nfull, xq, xd, out);
+        } else {
+            for (int64_t r = 0; r < rows; r++) dot1(wg + r * ldw, ldw, nfull, xq, xd, out + r);
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            float v = out[r] + (from < K ? tail(wg + r * ldw, from, K, x) : 0.0f);
+            y[n0 + r] = scale ? v * scale[n0 + r] : v;
+        }
+    }
+}
+
 int si_linear_i8(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N, int64_t ldw,
                  const float *scale, float *y, int threads) {
-    int64_t nb = (K + QK - 1) / QK, nfull = K / QK, from = nfull * QK;
+    int64_t nb = (K + QK - 1) / QK;
     int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * nb * QK + 63) / 64 * 64));
     float *xd = (float *)malloc((size_t)(M * nb) * sizeof(float));
     if (!xq || !xd) {
@@ -118,24 +302,16 @@ int si_linear_i8(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t 
     }
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * nb * QK, xd + m * nb);
     int64_t groups = (N + 3) / 4;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t n0 = g * 4, rows = N - n0 < 4 ? N - n0 : 4;
-        const int8_t *wg = w + n0 * ldw;
-        for (int64_t m = 0; m < M; m++) {
-            float out[4];
-            const int8_t *q = xq + m * nb * QK;
-            const float *d = xd + m * nb;
-            if (rows == 4) {
-                dot4(wg, ldw, nfull, q, d, out);
-            } else {
-                for (int64_t r = 0; r < rows; r++) dot1(wg + r * ldw, ldw, nfull, q, d, out + r);
-            }
-            for (int64_t r = 0; r < rows; r++) {
-                float v = out[r] + (from < K ? tail(wg + r * ldw, from, K, x + m * K) : 0.0f);
-                y[m * N + n0 + r] = scale ? v * scale[n0 + r] : v;
-            }
-        }
+    threads = clamp_threads(threads);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t g0, g1;
+        share(groups, team_id(), team_size(), &g0, &g1);
+        /* one row group at a time for all M rows: every weight row is read once */
+        for (int64_t g = g0; g < g1; g++)
+            for (int64_t m = 0; m < M; m++)
+                rows_q(w, ldw, N, K, scale, xq + m * nb * QK, xd + m * nb, x + m * K, y + m * N,
+                       g, g + 1);
     }
     free(xq);
     free(xd);
@@ -155,6 +331,11 @@ int si_linear_i8(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t 
    Norms: out = x / sqrt(mean(x^2) + eps) * w, with w the effective float32 weight (Gemma 3:
    1 + weight, computed by the caller). Rotary: out = x * cos + roll(x, hd / 2) * sin, with
    the sign of the first half folded into sin by the caller.
+
+   Threads: one team for the whole step. Every product is split by groups of 4 rows, each
+   member a contiguous share; heads are split across members; the activations are quantized
+   by blocks across members; the norms and residual adds (a few thousand floats) run on one
+   member. Members meet at a barrier where one's output is another's input.
 */
 typedef struct {
     const int8_t *w;
@@ -180,12 +361,39 @@ typedef struct {
     int64_t hidden, n_heads, n_kv, head_dim, cap, max_k;
     float eps, scaling;
     int act; /* 0: SiLU, 1: GELU (tanh approximation) */
+    int64_t teams; /* most threads the scratch has room for (scores rows) */
     /* scratch, float32 unless noted: h [max_k], q [n_heads*hd], kv [2*n_kv*hd],
-       att [n_heads*hd], scores [cap], gu [2*max_k], xq int8 [max_k + QK], xd [max_k/QK + 1] */
-    float *h, *q, *kv, *att, *scores, *gu;
+       att [n_heads*hd], scores [teams*cap], gu [2*max_k], a [max_k],
+       xq int8 [max_k + QK], xd [max_k/QK + 1] */
+    float *h, *q, *kv, *att, *scores, *gu, *a;
     int8_t *xq;
     float *xd;
 } si_model;
+
+int si_abi(int64_t *sizes, int n) {
+    int64_t s[3] = {(int64_t)sizeof(si_mat), (int64_t)sizeof(si_layer), (int64_t)sizeof(si_model)};
+    for (int i = 0; i < n && i < 3; i++) sizes[i] = s[i];
+    return SI_ABI_VERSION;
+}
+
+const char *si_isa(void) { return SI_ISA; }
+
+/* The threads a call may use: OpenMP's default team size, 1 without OpenMP. */
+int si_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+int si_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
     float ss = 0.0f;
@@ -194,30 +402,23 @@ static void rms_norm(const float *x, const float *w, int64_t n, float eps, float
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
-static void quantize_vec(const float *x, int64_t K, int8_t *xq, float *xd) {
-    quantize_row(x, K, xq, xd);
+/* This member's share of y = W . x (x quantized as m->xq, m->xd); no barrier. */
+static void gemv_part(const si_mat *mt, const si_model *m, const float *x, float *y, int t,
+                      int nt) {
+    int64_t g0, g1;
+    share((mt->n + 3) / 4, t, nt, &g0, &g1);
+    rows_q(mt->w, mt->ldw, mt->n, mt->k, mt->scale, m->xq, m->xd, x, y, g0, g1);
 }
 
-/* y [N] = scale * (W [N, K] . x), x already quantized (xq, xd); exact tail from x. */
-static void gemv_q(const si_mat *m, const int8_t *xq, const float *xd, const float *x, float *y,
-                   int threads) {
-    int64_t K = m->k, N = m->n, ldw = m->ldw, nfull = K / QK, from = nfull * QK;
-    int64_t groups = (N + 3) / 4;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t n0 = g * 4, rows = N - n0 < 4 ? N - n0 : 4;
-        const int8_t *wg = m->w + n0 * ldw;
-        float out[4];
-        if (rows == 4) {
-            dot4(wg, ldw, nfull, xq, xd, out);
-        } else {
-            for (int64_t r = 0; r < rows; r++) dot1(wg + r * ldw, ldw, nfull, xq, xd, out + r);
-        }
-        for (int64_t r = 0; r < rows; r++) {
-            float v = out[r] + (from < K ? tail(wg + r * ldw, from, K, x) : 0.0f);
-            y[n0 + r] = m->scale ? v * m->scale[n0 + r] : v;
-        }
-    }
+/* This member's share of the quantization of x [K] into m->xq, m->xd; no barrier. */
+static void quantize_part(const si_model *m, const float *x, int64_t K, int t, int nt) {
+    int64_t b0, b1;
+    share((K + QK - 1) / QK, t, nt, &b0, &b1);
+    quantize_blocks(x, K, b0, b1, m->xq, m->xd);
+}
+
+static void barrier(void) {
+#pragma omp barrier
 }
 
 static void rope(float *x, const float *cos, const float *sin, int64_t hd) {
@@ -237,90 +438,126 @@ static inline float act(float g, int kind) {
     return g / (1.0f + expf(-g));
 }
 
-static void attention_step(const si_model *m, si_layer *L, float *x, int64_t pos, int threads) {
-    int64_t H = m->hidden, nh = m->n_heads, nkv = m->n_kv, hd = m->head_dim, cap = m->cap;
-    int64_t G = nh / nkv;
-    float *h = m->h, *q = m->q, *k = m->kv, *v = m->kv + nkv * hd;
-    rms_norm(x, L->in_norm, H, m->eps, h);
-    quantize_vec(h, H, m->xq, m->xd);
-    gemv_q(&L->q, m->xq, m->xd, h, q, threads);
-    gemv_q(&L->k, m->xq, m->xd, h, k, threads);
-    gemv_q(&L->v, m->xq, m->xd, h, v, threads);
-    const float *cs = L->cos + pos * hd, *sn = L->sin + pos * hd;
-    for (int64_t j = 0; j < nh; j++) {
-        if (L->q_norm) rms_norm(q + j * hd, L->q_norm, hd, m->eps, q + j * hd);
-        rope(q + j * hd, cs, sn, hd);
+/* Query head j over its kv head's cached keys [lo, pos] -> m->att[j]. */
+static void attend(const si_model *m, const si_layer *L, int64_t j, int64_t lo, int64_t pos,
+                   float *s) {
+    int64_t hd = m->head_dim, cap = m->cap, G = m->n_heads / m->n_kv, S = pos + 1 - lo;
+    const float *qj = m->q + j * hd;
+    const float *kc = L->k_cache + ((j / G) * cap + lo) * hd;
+    const float *vc = L->v_cache + ((j / G) * cap + lo) * hd;
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t t = 0; t < S; t++) {
+        float d = 0.0f;
+        for (int64_t i = 0; i < hd; i++) d += qj[i] * kc[t * hd + i];
+        s[t] = d * m->scaling;
+        mx = s[t] > mx ? s[t] : mx;
     }
-    for (int64_t j = 0; j < nkv; j++) {
+    for (int64_t t = 0; t < S; t++) {
+        s[t] = expf(s[t] - mx);
+        sum += s[t];
+    }
+    float *out = m->att + j * hd;
+    for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
+    for (int64_t t = 0; t < S; t++) {
+        float p = s[t] / sum;
+        for (int64_t i = 0; i < hd; i++) out[i] += p * vc[t * hd + i];
+    }
+}
+
+/* One layer's attention, run by every member t of nt; x is updated in place. Starts after a
+   barrier, ends with one. */
+static void attention_step(const si_model *m, const si_layer *L, float *x, int64_t pos, int t,
+                           int nt) {
+    int64_t H = m->hidden, nh = m->n_heads, nkv = m->n_kv, hd = m->head_dim, cap = m->cap;
+    float *h = m->h, *q = m->q, *k = m->kv, *v = m->kv + nkv * hd;
+    if (t == 0) rms_norm(x, L->in_norm, H, m->eps, h);
+    barrier();
+    quantize_part(m, h, H, t, nt);
+    barrier();
+    gemv_part(&L->q, m, h, q, t, nt);
+    gemv_part(&L->k, m, h, k, t, nt);
+    gemv_part(&L->v, m, h, v, t, nt);
+    barrier();
+    const float *cs = L->cos + pos * hd, *sn = L->sin + pos * hd;
+    for (int64_t j = t; j < nkv; j += nt) {
         if (L->k_norm) rms_norm(k + j * hd, L->k_norm, hd, m->eps, k + j * hd);
         rope(k + j * hd, cs, sn, hd);
         memcpy(L->k_cache + (j * cap + pos) * hd, k + j * hd, (size_t)hd * sizeof(float));
         memcpy(L->v_cache + (j * cap + pos) * hd, v + j * hd, (size_t)hd * sizeof(float));
     }
+    barrier();
     int64_t lo = L->window > 0 && pos + 1 > L->window ? pos + 1 - L->window : 0;
-    int64_t S = pos + 1 - lo;
-    for (int64_t j = 0; j < nh; j++) {
-        const float *qj = q + j * hd;
-        const float *kc = L->k_cache + ((j / G) * cap + lo) * hd;
-        const float *vc = L->v_cache + ((j / G) * cap + lo) * hd;
-        float *s = m->scores, mx = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < S; t++) {
-            float d = 0.0f;
-            for (int64_t i = 0; i < hd; i++) d += qj[i] * kc[t * hd + i];
-            s[t] = d * m->scaling;
-            mx = s[t] > mx ? s[t] : mx;
-        }
-        for (int64_t t = 0; t < S; t++) {
-            s[t] = expf(s[t] - mx);
-            sum += s[t];
-        }
-        float *out = m->att + j * hd;
-        for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
-        for (int64_t t = 0; t < S; t++) {
-            float p = s[t] / sum;
-            for (int64_t i = 0; i < hd; i++) out[i] += p * vc[t * hd + i];
-        }
+    for (int64_t j = t; j < nh; j += nt) {
+        if (L->q_norm) rms_norm(q + j * hd, L->q_norm, hd, m->eps, q + j * hd);
+        rope(q + j * hd, cs, sn, hd);
+        attend(m, L, j, lo, pos, m->scores + t * cap);
     }
-    quantize_vec(m->att, nh * hd, m->xq, m->xd);
-    gemv_q(&L->o, m->xq, m->xd, m->att, h, threads);
-    if (L->post_attn_norm) rms_norm(h, L->post_attn_norm, H, m->eps, h);
-    for (int64_t i = 0; i < H; i++) x[i] += h[i];
+    barrier();
+    quantize_part(m, m->att, nh * hd, t, nt);
+    barrier();
+    gemv_part(&L->o, m, m->att, h, t, nt);
+    barrier();
+    if (t == 0) {
+        if (L->post_attn_norm) rms_norm(h, L->post_attn_norm, H, m->eps, h);
+        for (int64_t i = 0; i < H; i++) x[i] += h[i];
+    }
+    barrier();
 }
 
-static void mlp_step(const si_model *m, si_layer *L, float *x, int threads) {
+/* One layer's MLP over the active prefix, run by every member; same barriers as above. */
+static void mlp_step(const si_model *m, const si_layer *L, float *x, int t, int nt) {
     int64_t H = m->hidden, k = L->n_active;
-    float *h = m->h, *gu = m->gu;
-    rms_norm(x, L->pre_mlp_norm, H, m->eps, h);
-    quantize_vec(h, H, m->xq, m->xd);
+    float *h = m->h, *gu = m->gu, *a = m->a;
+    if (t == 0) rms_norm(x, L->pre_mlp_norm, H, m->eps, h);
+    barrier();
+    quantize_part(m, h, H, t, nt);
+    barrier();
     si_mat gum = {L->gu, L->gu_scale, 2 * k, H, H};
-    gemv_q(&gum, m->xq, m->xd, h, gu, threads);
-    for (int64_t n = 0; n < k; n++) gu[n] = act(gu[2 * n], m->act) * gu[2 * n + 1] * L->down_scale[n];
-    quantize_vec(gu, k, m->xq, m->xd);
+    gemv_part(&gum, m, h, gu, t, nt);
+    barrier();
+    /* activations and their quantization, block by block: a member's blocks are its own */
+    int64_t b0, b1;
+    share((k + QK - 1) / QK, t, nt, &b0, &b1);
+    for (int64_t n = b0 * QK; n < b1 * QK && n < k; n++)
+        a[n] = act(gu[2 * n], m->act) * gu[2 * n + 1] * L->down_scale[n];
+    quantize_blocks(a, k, b0, b1, m->xq, m->xd);
+    barrier();
     si_mat dm = {L->down, NULL, H, k, L->down_ld};
-    gemv_q(&dm, m->xq, m->xd, gu, h, threads);
-    if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, H, m->eps, h);
-    for (int64_t i = 0; i < H; i++) x[i] += h[i];
+    gemv_part(&dm, m, a, h, t, nt);
+    barrier();
+    if (t == 0) {
+        if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, H, m->eps, h);
+        for (int64_t i = 0; i < H; i++) x[i] += h[i];
+    }
+    barrier();
 }
 
 static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 /* x [H]: the token's embedding in, the last layer's output out. timing (NULL = off): seconds
-   in attention and in the MLP are added to timing[0] and timing[1]. */
-int si_decode_layers(const si_model *m, si_layer *layers, int64_t n_layers, float *x, int64_t pos,
-                     int threads, double *timing) {
+   in attention and in the MLP are added to timing[0] and timing[1]. threads: at most
+   m->teams. */
+int si_decode_layers(const si_model *m, const si_layer *layers, int64_t n_layers, float *x,
+                     int64_t pos, int threads, double *timing) {
     if (pos >= m->cap) return -1;
-    for (int64_t l = 0; l < n_layers; l++) {
-        double t0 = timing ? now() : 0.0;
-        attention_step(m, &layers[l], x, pos, threads);
-        double t1 = timing ? now() : 0.0;
-        mlp_step(m, &layers[l], x, threads);
-        if (timing) {
-            timing[0] += t1 - t0;
-            timing[1] += now() - t1;
+    threads = clamp_threads(threads);
+    if (threads > m->teams) threads = (int)m->teams;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int t = team_id(), nt = team_size();
+        for (int64_t l = 0; l < n_layers; l++) {
+            double t0 = timing && t == 0 ? now() : 0.0;
+            attention_step(m, &layers[l], x, pos, t, nt);
+            double t1 = timing && t == 0 ? now() : 0.0;
+            mlp_step(m, &layers[l], x, t, nt);
+            if (timing && t == 0) {
+                timing[0] += t1 - t0;
+                timing[1] += now() - t1;
+            }
         }
     }
     return 0;
