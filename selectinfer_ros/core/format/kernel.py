@@ -1,4 +1,5 @@
-"""The C kernel library (``kernels/int8_decode.c``): built for the CPU at hand, loaded, checked.
+"""The C kernel library (``kernels/int8_decode.c``: int8 and 4-bit row products, the int8 decode
+step): built for the CPU at hand, loaded, checked.
 
 The instruction set is chosen from what the CPU lists (``/proc/cpuinfo``): the first of
 :data:`ISAS` for this machine whose flags the CPU has (``SELECTINFER_KERNEL_ISA`` names one
@@ -24,19 +25,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_decode.c"
-ABI_VERSION = 3
+ABI_VERSION = 4
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
 # (name, cpuinfo flags it needs, compiler flags), best first, per machine
-_X86_BASE = ["-mavx2", "-mfma"]
+_X86_BASE = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = _X86_BASE + ["-mavx512f", "-mavx512bw", "-mavx512vl"]
 ISAS: dict[str, list[tuple[str, frozenset[str], list[str]]]] = {
     "x86_64": [
-        ("avx512vnni", frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+        ("avx512vnni", frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                    "avx512_vnni"}),
          _AVX512 + ["-mavx512vnni"]),
-        ("avx512bw", frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}), _AVX512),
-        ("avxvnni", frozenset({"avx2", "fma", "avx_vnni"}), _X86_BASE + ["-mavxvnni"]),
-        ("avx2", frozenset({"avx2", "fma"}), _X86_BASE),
+        ("avx512bw", frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}),
+         _AVX512),
+        ("avxvnni", frozenset({"avx2", "fma", "f16c", "avx_vnni"}), _X86_BASE + ["-mavxvnni"]),
+        ("avx2", frozenset({"avx2", "fma", "f16c"}), _X86_BASE),
         ("plain", frozenset(), ["-DSI_PLAIN"]),
     ],
     "aarch64": [
@@ -203,6 +206,11 @@ def _open(out: Path, name: str) -> Kernel:
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    f = lib.si_linear_q4
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                  ctypes.c_void_p, ctypes.c_int]
     return Kernel(lib, name, bool(lib.si_openmp()), out)
 
 

@@ -3,6 +3,7 @@
    - "isa <name>",
    - "linear <i> <threads> <values...>": si_linear_i8 over shapes with odd block counts,
      partial blocks and column prefixes of wider rows, on 1 and 2 threads,
+   - "q4 <i> <threads> <values...>": si_linear_q4 (4-bit rows) likewise,
    - "decode <pos> <values...>": the hidden state after si_decode_layers of a small random
      int8 model (2 layers, GQA, q/k norms, a sliding window, a partial active prefix),
    all from a fixed pseudo-random sequence, as %a (exact) floats. */
@@ -56,6 +57,20 @@ int main(void) {
         for (int threads = 1; threads <= 2; threads++) {
             if (si_linear_i8(x, M, K, w, N, ld, i % 2 ? NULL : scale, y, threads) != 0) return 1;
             print("linear", i, threads, y, M * N);
+        }
+    }
+
+    static const int64_t q4shapes[][3] = {{7, 64, 3}, {64, 640, 1}, {33, 96, 2}, {130, 2048, 2}};
+    for (int i = 0; i < 4; i++) {
+        int64_t N = q4shapes[i][0], K = q4shapes[i][1], M = q4shapes[i][2];
+        uint8_t *w = (uint8_t *)qrows(N * K / 2);
+        uint16_t *d = malloc((size_t)(N * K / QK) * sizeof(uint16_t));
+        for (int64_t j = 0; j < N * K / QK; j++) /* float16 scales in [2^-7, 2^-5) */
+            d[j] = (uint16_t)(((15 - 7 + (j % 2)) << 10) | ((uint16_t)(urand() * 511.0f + 512.0f)));
+        float *x = frand(M * K, -2.0f, 2.0f), *y = malloc((size_t)(M * N) * sizeof(float));
+        for (int threads = 1; threads <= 2; threads++) {
+            if (si_linear_q4(x, M, K, w, d, N, K / 2, K / QK, y, threads) != 0) return 1;
+            print("q4", i, threads, y, M * N);
         }
     }
 

@@ -48,10 +48,10 @@ def test_kernel_reports_its_path_and_abi():
 
 
 def test_isa_choice_follows_the_cpu_flags():
-    zen4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    zen4 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
     assert kernel.candidates("x86_64", zen4)[0][0] == "avx512vnni"
-    assert kernel.candidates("x86_64", {"avx2", "fma", "avx_vnni"})[0][0] == "avxvnni"
-    assert [n for n, _ in kernel.candidates("x86_64", {"avx2", "fma"})] == ["avx2", "plain"]
+    assert kernel.candidates("x86_64", {"avx2", "fma", "f16c", "avx_vnni"})[0][0] == "avxvnni"
+    assert [n for n, _ in kernel.candidates("x86_64", {"avx2", "fma", "f16c"})] == ["avx2", "plain"]
     assert kernel.candidates("x86_64", {"sse2"})[0][0] == "plain"
     orin = {"fp", "asimd", "asimdhp", "asimddp", "lrcpc", "dcpop"}  # Cortex-A78AE
     assert kernel.candidates("aarch64", orin)[0][0] == "neon-dotprod"
@@ -110,8 +110,13 @@ g = torch.Generator().manual_seed(2)
 q, s = int8.quantize_rows(torch.randn(40, 100, generator=g))
 x = torch.randn(3, 100, generator=g)
 lin = (int8.linear(x, q, s) - x @ (q.float() * s[:, None]).T).abs().max() / x.abs().max()
+from selectinfer_ros.core.format import q4
+p4, d4 = q4.quantize(torch.randn(40, 96, generator=g))
+x4 = torch.randn(3, 96, generator=g)
+lin4 = (q4.linear(x4, p4, d4) - x4 @ q4.dequantize(p4, d4).T).abs().max() / x4.abs().max()
 torch.save(dict(logits=torch.stack(logits), lines=lines, path=e.decoder.path,
-                status=int8.kernel_status(), linear_err=float(lin)), out)
+                status=int8.kernel_status(), linear_err=float(lin),
+                q4_err=float(lin4)), out)
 """
 
 
@@ -150,7 +155,7 @@ def test_without_a_compiler_the_float_fallback_says_why_and_agrees(int8_tiny, pl
     assert r["status"].startswith(why), r["status"]
     assert any(line.startswith(f"[load] int8 weights: {why}") for line in r["lines"]), r["lines"]
     assert r["path"].startswith("torch ops (float fallback (cannot run the C compiler")
-    assert r["linear_err"] < 1e-5  # the float product of the dequantized rows
+    assert r["linear_err"] < 1e-5 and r["q4_err"] < 1e-5  # the float product of dequantized rows
     # float activations instead of int8 ones: the same model to int8 noise
     cos = torch.nn.functional.cosine_similarity(r["logits"], plain_run["logits"], dim=-1)
     assert float(cos.min()) > 0.99

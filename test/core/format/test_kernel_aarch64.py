@@ -36,7 +36,7 @@ def _run(isa: str, tmp: Path) -> dict[str, list[torch.Tensor] | str]:
     assert build.returncode == 0, build.stderr[-2000:]
     res = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    out: dict = {"linear": [], "decode": []}
+    out: dict = {"linear": [], "q4": [], "decode": []}
     for line in res.stdout.splitlines():
         kind, *rest = line.split()
         if kind == "isa":
@@ -56,7 +56,8 @@ def test_neon_kernel_equals_the_plain_c_path(isa, plain, tmp_path):
     got = _run(isa, tmp_path)
     assert got["isa"] == isa and plain["isa"] == "plain"
     assert len(got["linear"]) == len(plain["linear"]) == 16
-    for a, b in zip(got["linear"], plain["linear"]):  # the same integer block products
+    assert len(got["q4"]) == len(plain["q4"]) == 8
+    for a, b in zip(got["linear"] + got["q4"], plain["linear"] + plain["q4"]):  # same block sums
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
     # whole decode steps: a float sum's last bit can move an int8 activation by one step
     assert len(got["decode"]) == len(plain["decode"]) == 6

@@ -14,7 +14,7 @@
      avx512vnni  AVX-512 VNNI: vpdpbusd on two blocks (64 bytes) per instruction
      avx512bw    AVX-512BW: maddubs + madd on two blocks per instruction
      avxvnni     AVX-VNNI: vpdpbusd on 256 bits
-     avx2        AVX2 + FMA: maddubs + madd on 256 bits
+     avx2        AVX2 + FMA (+ F16C): maddubs + madd on 256 bits
      neon-dotprod / neon-i8mm   aarch64 NEON sdot (the Jetson Orin's Cortex-A78AE)
      plain       plain C, the reference (-DSI_PLAIN forces it)
    Every path computes each block's integer dot product exactly; they differ only in the
@@ -39,24 +39,25 @@
 #endif
 
 #ifndef SI_ABI_VERSION
-#define SI_ABI_VERSION 3
+#define SI_ABI_VERSION 4
 #endif
 
 #if defined(SI_PLAIN)
 #define SI_ISA "plain"
 #elif defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX2__) && defined(__FMA__)
+    defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SI_AVX512 1
 #define SI_VNNI512 1
 #define SI_ISA "avx512vnni"
-#elif defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__) && \
+    defined(__F16C__)
 #define SI_AVX512 1
 #define SI_ISA "avx512bw"
-#elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SI_AVX2 1
 #define SI_AVXVNNI 1
 #define SI_ISA "avxvnni"
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SI_AVX2 1
 #define SI_ISA "avx2"
 #elif defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
@@ -301,6 +302,120 @@ int si_linear_i8(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t 
     }
     free(xq);
     free(xd);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------
+   4-bit rows (llama.cpp's Q4_0 values): per block of 32 weights, 16 bytes of nibbles (byte j:
+   weight j in the low nibble, weight j + 16 in the high one, stored as q + 8, q in [-8, 7])
+   and one float16 scale: w = q * d. The activations are quantized per block as above.
+
+   y[m, n] = sum_b d[n, b] * xd[m, b] * sum_{k in b} q[n, k] * xq[m, k]
+
+   w4: [N, K / 2] bytes at row stride ldw (bytes), d: [N, K / 32] float16 bits at row stride
+   ldd; K a multiple of 32. */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
+    union {
+        uint32_t u;
+        float f;
+    } v;
+    if (e == 0) { /* zero or subnormal: m * 2^-24 */
+        float f = (float)m * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    v.u = sign | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    return v.f;
+}
+
+static void q4_row(const uint8_t *w, const uint16_t *d, int64_t nb, const int8_t *xq,
+                   const float *xd, const int32_t *xs, float *out) {
+#if defined(SI_AVX2) || defined(SI_AVX512)
+    /* the nibbles q + 8 are the unsigned operand as they are: sum (q + 8) x = sum q x +
+       8 sum x, and 8 sum x is taken off as xs[b] (the block's activation sum) per int32 lane */
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(w + b * 16));
+        __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+#if defined(SI_AVXVNNI)
+        __m256i p = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wv, xv);
+#elif defined(SI_VNNI512)
+        __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
+#else
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1));
+#endif
+        p = _mm256_sub_epi32(p, _mm256_set1_epi32(xs[b]));
+        __m256 sc = _mm256_set1_ps(_cvtsh_ss(d[b]) * xd[b]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc);
+    }
+    *out = hsum256(acc);
+#elif defined(SI_NEON_DOT)
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    const uint8x16_t low = vdupq_n_u8(0x0F);
+    const int8x16_t eight = vdupq_n_s8(8);
+    for (int64_t b = 0; b < nb; b++) {
+        uint8x16_t raw = vld1q_u8(w + b * 16);
+        int8x16_t lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(raw, low)), eight);
+        int8x16_t hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(raw, 4)), eight);
+        int32x4_t p = vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xq + b * QK));
+        p = vdotq_s32(p, hi, vld1q_s8(xq + b * QK + 16));
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(p), half_to_float(d[b]) * xd[b]);
+    }
+    (void)xs;
+    *out = vaddvq_f32(acc);
+#else
+    (void)xs;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        int32_t s = 0;
+        for (int j = 0; j < 16; j++) {
+            s += ((int32_t)(w[b * 16 + j] & 15) - 8) * (int32_t)xq[b * QK + j];
+            s += ((int32_t)(w[b * 16 + j] >> 4) - 8) * (int32_t)xq[b * QK + j + 16];
+        }
+        acc += (float)s * (half_to_float(d[b]) * xd[b]);
+    }
+    *out = acc;
+#endif
+}
+
+int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *d,
+                 int64_t N, int64_t ldw, int64_t ldd, float *y, int threads) {
+    if (K % QK) return -2;
+    int64_t nb = K / QK;
+    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * nb * QK + 63) / 64 * 64));
+    float *xd = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return -1;
+    }
+    int32_t *xs = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
+    if (!xs) {
+        free(xq);
+        free(xd);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * nb * QK, xd + m * nb);
+    for (int64_t i = 0; i < M * nb; i++) { /* each of 8 int32 lanes carries 8 / 8 of the sum */
+        int32_t sum = 0;
+        for (int k = 0; k < QK; k++) sum += xq[i * QK + k];
+        xs[i] = sum;
+    }
+    threads = clamp_threads(threads);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t n0, n1;
+        share(N, team_id(), team_size(), &n0, &n1);
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t m = 0; m < M; m++)
+                q4_row(w + n * ldw, d + n * ldd, nb, xq + m * nb * QK, xd + m * nb, xs + m * nb,
+                       y + m * N + n);
+    }
+    free(xq);
+    free(xd);
+    free(xs);
     return 0;
 }
 
