@@ -82,3 +82,28 @@ class Q4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.scale)
+
+
+class CoarseFineLinear(nn.Module):
+    """An output layer read in two passes: every row in 4-bit (the coarse logits), then the
+    ``candidates`` rows with the highest coarse logits again from the exact int8 rows. The
+    returned logits are exact for the candidates (so the argmax is the int8 layer's whenever it
+    is among them) and coarse elsewhere. Per token it reads the 4-bit rows plus ``candidates``
+    int8 rows instead of every int8 row (Gemma 3 270M: 90 + 0.04 MiB instead of 161 MiB)."""
+
+    def __init__(self, exact: nn.Module, candidates: int = 64):
+        super().__init__()
+        self.exact = exact  # an Int8Linear (weight int8 [N, K], scale [N])
+        self.candidates = candidates
+        self.coarse = Q4Linear.from_float(exact.weight.float() * exact.scale[:, None])
+        self.in_features, self.out_features = self.coarse.in_features, self.coarse.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .int8 import linear as int8_linear
+        logits = self.coarse(x)
+        rows, xs = logits.view(-1, logits.shape[-1]), x.reshape(-1, x.shape[-1])
+        k = min(self.candidates, rows.shape[1])
+        for r, top in enumerate(torch.topk(rows, k, dim=-1, sorted=False).indices):
+            rows[r, top] = int8_linear(xs[r:r + 1], self.exact.weight[top],
+                                       self.exact.scale[top]).view(-1).to(rows.dtype)
+        return logits

@@ -65,3 +65,24 @@ def test_every_path_of_this_cpu_equals_the_plain_c_path(isa):
         want = out["plain"]
         for name, y in out.items():
             assert torch.allclose(y, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())), name
+
+
+def test_coarse_fine_output_layer_is_exact_on_its_candidates():
+    from selectinfer_ros.core.format import int8
+    g = torch.Generator().manual_seed(9)
+    exact = int8.Int8Linear(500, 64)
+    exact.weight, exact.scale = int8.quantize_rows(torch.randn(500, 64, generator=g))
+    head = q4.CoarseFineLinear(exact, candidates=16)
+    x = torch.randn(3, 1, 64, generator=g)
+    got, want = head(x), exact(x)
+    coarse = head.coarse(x)
+    assert got.shape == want.shape == (3, 1, 500)
+    for r in range(3):
+        top = torch.topk(coarse[r, 0], 16).indices
+        assert torch.equal(got[r, 0, top], want[r, 0, top])  # the candidates: the int8 rows
+        rest = torch.ones(500, dtype=torch.bool)
+        rest[top] = False
+        assert torch.equal(got[r, 0, rest], coarse[r, 0, rest])  # the others: the 4-bit rows
+        assert int(got[r, 0].argmax()) == int(want[r, 0].argmax())
+    every = q4.CoarseFineLinear(exact, candidates=500)
+    assert torch.equal(every(x), want)
