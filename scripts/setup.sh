@@ -24,6 +24,15 @@ if ((${#missing[@]})); then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq cmake make g++ >/dev/null
 fi
+# The aarch64 cross compiler and qemu-user: the test of the NEON kernel against the plain C one
+# (test/core/format/test_kernel_aarch64.py) builds it for aarch64 and runs it under qemu.
+if [ "$(uname -m)" = x86_64 ] && command -v apt-get >/dev/null 2>&1 && \
+    ! { command -v aarch64-linux-gnu-gcc && command -v qemu-aarch64; } >/dev/null 2>&1; then
+  say "installing gcc-aarch64-linux-gnu and qemu-user with apt-get (the NEON kernel's test)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user >/dev/null
+fi
 
 # --- venv ----------------------------------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then

@@ -360,17 +360,23 @@ def resolve_model(args, log, llama_dir: Path | None = None) -> tuple[Path, Path 
         def write_checkpoint() -> None:  # seeded: a rewrite holds the packed weights
             from .random_model import make_random_model
             make_random_model(args.preset, root / "hf", dtype=torch.bfloat16)
+        from ..core.format.pack import is_packed
         if not (packed / "manifest.json").exists():
             from ..core.format.pack import pack
             log(f"[bench] writing random-weight {args.preset} (once) ...")
             write_checkpoint()
             pack(root / "hf", packed, model_id=model_id, log=log)
+        # The checkpoint goes once the packs are made: a later run that needs another pack
+        # (int8 after a float-only run, GGUF after a run without llama.cpp) writes it again.
+        need_int8 = "int8" in args.weights and not is_packed(packed.with_name(packed.name + "-int8"))
+        need_gguf = llama_dir is not None and not llama_cpp.gguf_path(model_id, "F16").exists()
+        if (need_int8 or need_gguf) and not (root / "hf" / "config.json").exists():
+            log(f"[bench] rewriting the random-weight {args.preset} checkpoint for the "
+                f"{' and '.join(w for w, n in (('int8 pack', need_int8), ('GGUF', need_gguf)) if n)} ...")
+            write_checkpoint()
         if "int8" in args.weights:  # made from the checkpoint, which then goes
             int8_pack_of(packed, log)
-        if llama_dir is not None and not llama_cpp.gguf_path(model_id, "F16").exists():
-            if not (root / "hf" / "config.json").exists():
-                log(f"[bench] rewriting the random-weight {args.preset} checkpoint for llama.cpp ...")
-                write_checkpoint()
+        if need_gguf:
             try:
                 llama_cpp.convert_random(llama_dir, root / "hf", model_id, log)
             except (RuntimeError, KeyError) as e:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..format import int8
+from ..format import kernel as native
 from ..format.architectures import activation_name
 
 _HAS_RMS_NORM = hasattr(F, "rms_norm")
@@ -287,29 +288,6 @@ class Decoder:
 
 
 # -- int8 models: one kernel call per decode step --------------------------------------------
-class _Mat(ctypes.Structure):
-    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("n", ctypes.c_int64),
-                ("k", ctypes.c_int64), ("ldw", ctypes.c_int64)]
-
-
-class _LayerC(ctypes.Structure):
-    _fields_ = ([(n, ctypes.c_void_p) for n in ("in_norm", "post_attn_norm", "pre_mlp_norm",
-                                                "post_mlp_norm", "q_norm", "k_norm")]
-                + [(n, _Mat) for n in ("q", "k", "v", "o")]
-                + [(n, ctypes.c_void_p) for n in ("k_cache", "v_cache", "cos", "sin")]
-                + [("window", ctypes.c_int64)]
-                + [(n, ctypes.c_void_p) for n in ("gu", "gu_scale", "down", "down_scale")]
-                + [("down_ld", ctypes.c_int64), ("n_active", ctypes.c_int64)])
-
-
-class _ModelC(ctypes.Structure):
-    _fields_ = ([(n, ctypes.c_int64) for n in ("hidden", "n_heads", "n_kv", "head_dim", "cap",
-                                               "max_k")]
-                + [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("act", ctypes.c_int)]
-                + [(n, ctypes.c_void_p) for n in ("h", "q", "kv", "att", "scores", "gu", "xq",
-                                                  "xd")])
-
-
 _ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
@@ -343,11 +321,12 @@ class NativeInt8Step:
         self.lib = int8.kernel()
         self.fn = self.lib.si_decode_layers
         self.fn.restype = ctypes.c_int
-        self.fn.argtypes = [ctypes.POINTER(_ModelC), ctypes.POINTER(_LayerC), ctypes.c_int64,
+        self.fn.argtypes = [ctypes.POINTER(native.ModelC), ctypes.POINTER(native.LayerC),
+                            ctypes.c_int64,
                             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                             ctypes.POINTER(ctypes.c_double)]
-        self.layers = (_LayerC * len(d.layers))()
-        self.model = _ModelC()
+        self.layers = (native.LayerC * len(d.layers))()
+        self.model = native.ModelC()
         self.stale = True
         self._keep: list[torch.Tensor] = []  # scratch the structures point into
         self._timing = (ctypes.c_double * 2)()
@@ -358,16 +337,19 @@ class NativeInt8Step:
         max_loaded = max(l.mlp.n_loaded for l in d.layers)
         max_k = max(H, d.n_heads * hd, max_loaded)
         f32 = dict(dtype=torch.float32)
+        teams = max(1, torch.get_num_threads())  # a scores row per thread
         h, x_q = torch.empty(max_k, **f32), torch.empty(max_k + 32, dtype=torch.int8)
         bufs = dict(h=h, q=torch.empty(d.n_heads * hd, **f32), kv=torch.empty(2 * d.n_kv * hd, **f32),
-                    att=torch.empty(d.n_heads * hd, **f32), scores=torch.empty(d.capacity, **f32),
-                    gu=torch.empty(2 * max_loaded, **f32), xq=x_q,
+                    att=torch.empty(d.n_heads * hd, **f32),
+                    scores=torch.empty(teams * d.capacity, **f32),
+                    gu=torch.empty(2 * max_loaded, **f32), a=torch.empty(max_k, **f32), xq=x_q,
                     xd=torch.empty(max_k // 32 + 2, **f32))
         self._keep = list(bufs.values())
         m = self.model
         m.hidden, m.n_heads, m.n_kv, m.head_dim = H, d.n_heads, d.n_kv, hd
         m.cap, m.max_k, m.eps, m.scaling = d.capacity, max_k, d.final_norm.eps, d.scaling
         m.act = _ACTIVATIONS[activation_name(cfg)]
+        m.teams = teams
         for name, t in bufs.items():
             setattr(m, name, t.data_ptr())
         for i, (l, c) in enumerate(zip(d.layers, self.layers)):
@@ -379,7 +361,7 @@ class NativeInt8Step:
             for name in ("q", "k", "v", "o"):
                 lin = getattr(l, name)
                 w = lin.weight
-                setattr(c, name, _Mat(w.data_ptr(), lin.scale.data_ptr(), w.shape[0], w.shape[1],
+                setattr(c, name, native.Mat(w.data_ptr(), lin.scale.data_ptr(), w.shape[0], w.shape[1],
                                       w.stride(0)))
             c.k_cache, c.v_cache = d.k_cache[i].data_ptr(), d.v_cache[i].data_ptr()
             cos, sin = d.tables[l.rope]
@@ -398,7 +380,7 @@ class NativeInt8Step:
              ) -> torch.Tensor:
         """``x`` ``[1, 1, H]`` float32 (the token's embedding) through every layer, in place;
         ``timings`` (if given) gets the seconds of attention and FFN added."""
-        if self.stale:
+        if self.stale or torch.get_num_threads() > self.model.teams:
             self._refresh()
         x = x.contiguous()
         t = self._timing

@@ -2,29 +2,19 @@
 
 A weight row (a gate or up row, a down column, an attention or output row) is stored as int8
 with one float32 scale: ``w ~= q * scale``, ``|q| <= 127``. On CPUs the product runs in a small C
-kernel of this package (``kernels/int8_linear.c``: activations quantized per block of 32 like
-llama.cpp's Q8_0, int8 dot products, AVX2 where the CPU has it), compiled once with the system C
-compiler into the model cache and called through ctypes; the same library runs a whole decode
-step of an int8 model (:class:`.decode.NativeInt8Step`). Where it cannot be built (no compiler)
-and on accelerators, the fallback dequantizes the rows it needs and uses the float matmul.
+kernel of this package (``kernels/int8_decode.c``: activations quantized per block of 32 like
+llama.cpp's Q8_0, int8 dot products with the best instructions the CPU has), built and checked
+by :mod:`.kernel` and called through ctypes; the same library runs a whole decode step of an
+int8 model (:class:`.decode.NativeInt8Step`). Where it cannot be built (no compiler) or breaks
+the contract, and on accelerators, the fallback dequantizes the rows it needs and uses the
+float matmul.
 """
 from __future__ import annotations
-
-import ctypes
-import hashlib
-import os
-import platform
-import subprocess
-import threading
-from pathlib import Path
 
 import torch
 from torch import nn
 
-SOURCE = Path(__file__).with_name("kernels") / "int8_linear.c"
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_lib_error: str | None = None
+from . import kernel as _kernel
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,67 +25,16 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _compile_flags() -> list[str]:
-    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        have = _cpu_flags()
-        if {"avx2", "fma"} <= have:
-            flags += ["-mavx2", "-mfma"]
-    else:
-        flags += ["-march=native"]
-    return flags
-
-
-def _build() -> ctypes.CDLL:
-    from .paths import cache_root
-    flags = _compile_flags()
-    cc = os.environ.get("CC", "cc")
-    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc] + flags).encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"int8_linear-{platform.machine()}-{tag}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        res = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"],
-                             capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-400:]}")
-        os.replace(tmp, out)
-    lib = ctypes.CDLL(str(out))
-    f = lib.si_linear_i8
-    f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    return lib
-
-
-def kernel() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None (the reason is in :func:`kernel_status`)."""
-    global _lib, _lib_error
-    with _lock:
-        if _lib is None and _lib_error is None:
-            try:
-                _lib = _build()
-            except (OSError, RuntimeError) as e:
-                _lib_error = str(e)
-        return _lib
+def kernel():
+    """The compiled kernel library (ctypes), or None (the reason is in :func:`kernel_status`)."""
+    k = _kernel.kernel()
+    return k.lib if k is not None else None
 
 
 def kernel_status() -> str:
-    """Which int8 path CPU products take: the compiled kernel, or the fallback and why."""
-    lib = kernel()
-    if lib is not None:
-        return "int8 kernel (" + ("avx2" if "-mavx2" in _compile_flags() else "generic C") + ")"
-    return f"float fallback ({_lib_error})"
+    """Which int8 path CPU products take: the kernel and its instruction set, or the float
+    fallback and why."""
+    return _kernel.status()
 
 
 def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,238 @@
+"""The C kernel library (``kernels/int8_decode.c``: int8 and 4-bit row products, the int8 decode
+step): built for the CPU at hand, loaded, checked.
+
+The instruction set is chosen from what the CPU lists (``/proc/cpuinfo``): the first of
+:data:`ISAS` for this machine whose flags the CPU has (``SELECTINFER_KERNEL_ISA`` names one
+to take instead, e.g. ``plain``, the C reference). The library is compiled once with the system
+C compiler (``CC``, else ``cc``) into ``<cache>/kernels/``, named by machine, instruction set
+and a hash of source, compiler and flags. OpenMP is used where the compiler has it; without
+it the library still builds and runs on one thread.
+
+The contract: the C side reports its ABI version and the sizes of the structures it shares
+with ctypes (``si_abi``) and the path compiled in (``si_isa``); a library whose answer differs
+from the mirrors here is refused, and the callers fall back to float products (the reason is
+in :func:`status`).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("kernels") / "int8_decode.c"
+ABI_VERSION = 4
+ISA_ENV = "SELECTINFER_KERNEL_ISA"
+
+# (name, cpuinfo flags it needs, compiler flags), best first, per machine
+_X86_BASE = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = _X86_BASE + ["-mavx512f", "-mavx512bw", "-mavx512vl"]
+ISAS: dict[str, list[tuple[str, frozenset[str], list[str]]]] = {
+    "x86_64": [
+        ("avx512vnni", frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                    "avx512_vnni"}),
+         _AVX512 + ["-mavx512vnni"]),
+        ("avx512bw", frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}),
+         _AVX512),
+        ("avxvnni", frozenset({"avx2", "fma", "f16c", "avx_vnni"}), _X86_BASE + ["-mavxvnni"]),
+        ("avx2", frozenset({"avx2", "fma", "f16c"}), _X86_BASE),
+        ("plain", frozenset(), ["-DSI_PLAIN"]),
+    ],
+    "aarch64": [
+        ("neon-i8mm", frozenset({"asimddp", "i8mm"}), ["-march=armv8.2-a+dotprod+i8mm"]),
+        ("neon-dotprod", frozenset({"asimddp"}), ["-march=armv8.2-a+dotprod"]),
+        ("plain", frozenset(), ["-DSI_PLAIN"]),
+    ],
+}
+BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-std=c11"]
+
+
+# -- the structures shared with the C side (mirrors of si_mat, si_layer, si_model) ----------
+class Mat(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("n", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("ldw", ctypes.c_int64)]
+
+
+class LayerC(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_void_p) for n in ("in_norm", "post_attn_norm", "pre_mlp_norm",
+                                                "post_mlp_norm", "q_norm", "k_norm")]
+                + [(n, Mat) for n in ("q", "k", "v", "o")]
+                + [(n, ctypes.c_void_p) for n in ("k_cache", "v_cache", "cos", "sin")]
+                + [("window", ctypes.c_int64)]
+                + [(n, ctypes.c_void_p) for n in ("gu", "gu_scale", "down", "down_scale")]
+                + [("down_ld", ctypes.c_int64), ("n_active", ctypes.c_int64)])
+
+
+class ModelC(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_int64) for n in ("hidden", "n_heads", "n_kv", "head_dim", "cap",
+                                               "max_k")]
+                + [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("act", ctypes.c_int),
+                   ("teams", ctypes.c_int64)]
+                + [(n, ctypes.c_void_p) for n in ("h", "q", "kv", "att", "scores", "gu", "a",
+                                                  "xq", "xd")])
+
+
+STRUCT_SIZES = (ctypes.sizeof(Mat), ctypes.sizeof(LayerC), ctypes.sizeof(ModelC))
+
+
+class KernelError(RuntimeError):
+    """The kernel cannot be used: no compiler, a failed build, or a library that breaks the
+    contract."""
+
+
+@dataclass(frozen=True)
+class Kernel:
+    lib: ctypes.CDLL
+    isa: str
+    openmp: bool
+    path: Path
+
+    def describe(self) -> str:
+        threads = "OpenMP threads" if self.openmp else "no OpenMP in the compiler: 1 thread"
+        return f"int8 kernel ({self.isa}, {threads})"
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (x86 ``flags``, aarch64 ``Features``); empty if unreadable."""
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def candidates(machine: str | None = None, flags: set[str] | None = None,
+               forced: str | None = None) -> list[tuple[str, list[str]]]:
+    """``(name, compiler flags)`` of the paths this CPU runs, best first (a compiler that does
+    not know a path's flags gets the next); only ``forced`` (a name of :data:`ISAS`, which the
+    CPU must have) when given."""
+    machine = machine or platform.machine()
+    machine = {"AMD64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+    flags = cpu_flags() if flags is None else flags
+    table = ISAS.get(machine, [("plain", frozenset(), ["-DSI_PLAIN"])])
+    if forced:
+        for name, need, cflags in table:
+            if name == forced:
+                if not need <= flags:
+                    raise KernelError(f"{ISA_ENV}={forced}: this CPU lacks "
+                                      f"{', '.join(sorted(need - flags))}")
+                return [(name, cflags)]
+        raise KernelError(f"{ISA_ENV}={forced}: not one of "
+                          f"{', '.join(n for n, _, _ in table)} on {machine}")
+    return [(name, cflags) for name, need, cflags in table if need <= flags]
+
+
+def check_abi(lib: ctypes.CDLL, version: int = ABI_VERSION,
+              sizes: tuple[int, ...] = STRUCT_SIZES) -> None:
+    """Refuse (:class:`KernelError`) a library whose ABI version or structure sizes differ from
+    ``version`` and ``sizes`` (this module's mirrors)."""
+    if not hasattr(lib, "si_abi"):
+        raise KernelError("the kernel library has no si_abi (built from an older source)")
+    f = lib.si_abi
+    f.restype, f.argtypes = ctypes.c_int, [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+    got = (ctypes.c_int64 * 3)()
+    v = f(got, 3)
+    names = ("si_mat", "si_layer", "si_model")
+    bad = [f"{n} {g} bytes in C, {s} in Python" for n, g, s in zip(names, got, sizes) if g != s]
+    if v != version or bad:
+        raise KernelError(f"kernel ABI mismatch: version {v} in C, {version} in Python"
+                          + (f"; {'; '.join(bad)}" if bad else ""))
+
+
+def _compile(cc: str, cflags: list[str], out: Path) -> str | None:
+    """Compile into ``out``; None, or the compiler's complaint."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        res = subprocess.run([cc, *cflags, str(SOURCE), "-o", str(tmp), "-lm"],
+                             capture_output=True, text=True)
+    except OSError as e:
+        return f"cannot run the C compiler {cc!r} ({e.strerror or e})"
+    if res.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        return f"{cc} failed: {res.stderr.strip()[-400:]}"
+    os.replace(tmp, out)
+    return None
+
+
+def load(cc: str | None = None, isa: str | None = None, cache: Path | None = None,
+         extra_flags: tuple[str, ...] = ()) -> Kernel:
+    """Build (once per cache) and load the kernel for this CPU; :class:`KernelError` says why
+    not. ``cc``, ``isa`` default to ``$CC`` and ``$SELECTINFER_KERNEL_ISA``."""
+    from .paths import cache_root
+    cc = cc or os.environ.get("CC") or "cc"
+    cache = cache or cache_root() / "kernels"
+    machine = platform.machine()
+    errors = []
+    for name, isa_flags in candidates(forced=isa or os.environ.get(ISA_ENV) or None):
+        for openmp in (True, False):
+            cflags = BASE_FLAGS + (["-fopenmp"] if openmp else []) + isa_flags + list(extra_flags)
+            tag = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc] + cflags).encode()
+                                 ).hexdigest()[:16]
+            out = cache / f"int8_decode-{machine}-{name}-{tag}.so"
+            failed = out.with_suffix(".failed")  # this compiler cannot build it: not again
+            if not out.exists():
+                err = failed.read_text() if failed.exists() else _compile(cc, cflags, out)
+                if err is not None:
+                    if err.startswith("cannot run"):  # no compiler: nothing else to try
+                        raise KernelError(err)
+                    errors.append(f"{name}{'' if openmp else ' without OpenMP'}: {err}")
+                    failed.parent.mkdir(parents=True, exist_ok=True)
+                    failed.write_text(err)
+                    continue
+            return _open(out, name)
+    raise KernelError("; ".join(errors[-2:]) if errors else "no build")
+
+
+def _open(out: Path, name: str) -> Kernel:
+    try:
+        lib = ctypes.CDLL(str(out))
+    except OSError as e:
+        raise KernelError(f"cannot load {out.name}: {e}") from e
+    check_abi(lib)
+    lib.si_isa.restype = ctypes.c_char_p
+    built = lib.si_isa().decode()
+    if built != name:
+        raise KernelError(f"kernel built as {built!r}, not {name!r}: the compiler did not take "
+                          f"the flags for {name}")
+    lib.si_openmp.restype = ctypes.c_int
+    f = lib.si_linear_i8
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                  ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    f = lib.si_linear_q4
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                  ctypes.c_void_p, ctypes.c_int]
+    return Kernel(lib, name, bool(lib.si_openmp()), out)
+
+
+_lock = threading.Lock()
+_kernel: Kernel | None = None
+_error: str | None = None
+
+
+def kernel() -> Kernel | None:
+    """This process's kernel (built on first use), or None (the reason is in :func:`status`)."""
+    global _kernel, _error
+    with _lock:
+        if _kernel is None and _error is None:
+            try:
+                _kernel = load()
+            except KernelError as e:
+                _error = str(e)
+        return _kernel
+
+
+def status() -> str:
+    """Which path int8 CPU products take: the kernel and its instruction set, or the float
+    fallback and why."""
+    k = kernel()
+    return k.describe() if k is not None else f"float fallback ({_error})"

@@ -1,0 +1,665 @@
+/* int8 weight x float activation products, and the whole int8 decode step, for selectinfer_ros.
+
+   y[m, n] = scale[n] * sum_k w[n, k] * x[m, k]
+
+   w: int8 rows of length K at row stride ldw (a prefix of wider rows is fine: the active
+   columns of the down projection), scale: float32 per output row (NULL = 1), x: float32
+   [M, K] contiguous, y: float32 [M, N] contiguous.
+
+   The activations are quantized per block of 32 values to int8 with their own float scale
+   (llama.cpp's Q8_0 layout), then every weight row is read once for all M activation rows.
+
+   The instruction set is chosen at compile time from the compiler's macros (the Python side
+   passes the flags for what /proc/cpuinfo lists; si_isa() names the path compiled in):
+     avx512vnni  AVX-512 VNNI: vpdpbusd on two blocks (64 bytes) per instruction
+     avx512bw    AVX-512BW: maddubs + madd on two blocks per instruction
+     avxvnni     AVX-VNNI: vpdpbusd on 256 bits
+     avx2        AVX2 + FMA (+ F16C): maddubs + madd on 256 bits
+     neon-dotprod / neon-i8mm   aarch64 NEON sdot (the Jetson Orin's Cortex-A78AE)
+     plain       plain C, the reference (-DSI_PLAIN forces it)
+   Every path computes each block's integer dot product exactly; they differ only in the
+   order of the float sums over blocks (float rounding).
+
+   si_decode_layers (below) runs every decoder layer of one decode step of an int8 model in one
+   call, in one parallel region (threads meet at barriers between the products), with no
+   framework dispatch between the small operations of a layer.
+
+   The contract with the Python side (ctypes): si_abi() returns SI_ABI_VERSION and the sizes of
+   the structs; the caller refuses a library whose answer differs from its own mirror. Change
+   SI_ABI_VERSION with any change of a struct or of an exported function's signature.
+*/
+#define _POSIX_C_SOURCE 199309L /* clock_gettime */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#ifndef SI_ABI_VERSION
+#define SI_ABI_VERSION 4
+#endif
+
+#if defined(SI_PLAIN)
+#define SI_ISA "plain"
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SI_AVX512 1
+#define SI_VNNI512 1
+#define SI_ISA "avx512vnni"
+#elif defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__) && \
+    defined(__F16C__)
+#define SI_AVX512 1
+#define SI_ISA "avx512bw"
+#elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SI_AVX2 1
+#define SI_AVXVNNI 1
+#define SI_ISA "avxvnni"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SI_AVX2 1
+#define SI_ISA "avx2"
+#elif defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+#define SI_NEON_DOT 1
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+#define SI_ISA "neon-i8mm"
+#else
+#define SI_ISA "neon-dotprod"
+#endif
+#else
+#define SI_ISA "plain"
+#endif
+
+#if defined(SI_AVX512) || defined(SI_AVX2)
+#include <immintrin.h>
+#endif
+#ifdef SI_NEON_DOT
+#include <arm_neon.h>
+#endif
+
+#define QK 32
+#ifndef PF
+#define PF 1024 /* bytes ahead of each weight row's read: the rows are short streams */
+#endif
+
+/* x [K] blocks [b0, b1) -> xq (zero padded to whole blocks), xd block scales. */
+static void quantize_blocks(const float *x, int64_t K, int64_t b0, int64_t b1, int8_t *xq,
+                            float *xd) {
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t lo = b * QK, hi = lo + QK < K ? lo + QK : K;
+        float amax = 0.0f;
+        for (int64_t k = lo; k < hi; k++) {
+            float a = fabsf(x[k]);
+            amax = a > amax ? a : amax;
+        }
+        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        xd[b] = d;
+        for (int64_t k = lo; k < lo + QK; k++)
+            xq[k] = k < hi ? (int8_t)lrintf(x[k] * id) : 0;
+    }
+}
+
+/* x [K] -> xq [nb * QK] int8 (zero padded), xd [nb] block scales; nb = ceil(K / QK). */
+static void quantize_row(const float *x, int64_t K, int8_t *xq, float *xd) {
+    quantize_blocks(x, K, 0, (K + QK - 1) / QK, xq, xd);
+}
+
+/* dot1(w, ldw, nfull, xq, xd, out): *out = sum over the nfull full blocks b of
+   xd[b] * sum_{k in b} w[k] * xq[k] (DOT_ROWS(R) would take R rows at stride ldw). */
+#if defined(SI_AVX2) || defined(SI_AVX512)
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One block: |x| (unsigned) times w with x's sign, summed to 8 int32 lanes. */
+static inline __m256i blk256(__m256i ax, __m256i xv, __m256i wv) {
+    __m256i sw = _mm256_sign_epi8(wv, xv);
+#if defined(SI_AVXVNNI)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ax, sw);
+#elif defined(SI_VNNI512)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sw);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+#if defined(SI_AVX2)
+#define DOT_ROWS(R)                                                                          \
+    static inline void dot##R(const int8_t *w, int64_t ldw, int64_t nfull, const int8_t *xq,  \
+                              const float *xd, float *out) {                                  \
+        __m256 acc[R];                                                                        \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                             \
+        for (int64_t b = 0; b < nfull; b++) {                                                 \
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));                  \
+            __m256i ax = _mm256_sign_epi8(xv, xv);                                            \
+            __m256 d = _mm256_broadcast_ss(xd + b);                                           \
+            for (int r = 0; r < R; r++) {                                                     \
+                _mm_prefetch((const char *)(w + r * ldw + b * QK + PF), _MM_HINT_T0);        \
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * ldw + b * QK));     \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blk256(ax, xv, wv)), d, acc[r]);  \
+            }                                                                                 \
+        }                                                                                     \
+        for (int r = 0; r < R; r++) out[r] = hsum256(acc[r]);                                 \
+    }
+DOT_ROWS(1)
+#elif defined(SI_AVX512)
+/* Two blocks per 512-bit register: the weights take the activations' sign by a masked
+   negation (|w| <= 127), the activations' magnitudes are the unsigned operand. */
+static inline __m512i blk512(__m512i ax, __mmask64 neg, __m512i wv) {
+    __m512i sw = _mm512_mask_sub_epi8(wv, neg, _mm512_setzero_si512(), wv);
+#if defined(SI_VNNI512)
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), ax, sw);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(ax, sw), _mm512_set1_epi16(1));
+#endif
+}
+
+#define DOT_ROWS(R)                                                                          \
+    static inline void dot##R(const int8_t *w, int64_t ldw, int64_t nfull, const int8_t *xq,  \
+                              const float *xd, float *out) {                                  \
+        __m512 acc[R];                                                                        \
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                             \
+        int64_t b = 0;                                                                        \
+        for (; b + 2 <= nfull; b += 2) {                                                      \
+            __m512i xv = _mm512_loadu_si512((const void *)(xq + b * QK));                     \
+            __m512i ax = _mm512_abs_epi8(xv);                                                 \
+            __mmask64 neg = _mm512_movepi8_mask(xv);                                          \
+            __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(xd[b]),                    \
+                                            _mm512_set1_ps(xd[b + 1]));                       \
+            for (int r = 0; r < R; r++) {                                                     \
+                _mm_prefetch((const char *)(w + r * ldw + b * QK + PF), _MM_HINT_T0);        \
+                __m512i wv = _mm512_loadu_si512((const void *)(w + r * ldw + b * QK));        \
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(blk512(ax, neg, wv)), d, acc[r]); \
+            }                                                                                 \
+        }                                                                                     \
+        float last[R];                                                                        \
+        for (int r = 0; r < R; r++) last[r] = 0.0f;                                           \
+        if (b < nfull) {                                                                      \
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));                  \
+            __m256i ax = _mm256_sign_epi8(xv, xv);                                            \
+            for (int r = 0; r < R; r++) {                                                     \
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * ldw + b * QK));     \
+                last[r] = hsum256(_mm256_cvtepi32_ps(blk256(ax, xv, wv))) * xd[b];            \
+            }                                                                                 \
+        }                                                                                     \
+        for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + last[r];          \
+    }
+DOT_ROWS(1)
+#elif defined(SI_NEON_DOT)
+#define DOT_ROWS(R)                                                                          \
+    static inline void dot##R(const int8_t *w, int64_t ldw, int64_t nfull, const int8_t *xq,  \
+                              const float *xd, float *out) {                                  \
+        float32x4_t acc[R];                                                                   \
+        for (int r = 0; r < R; r++) acc[r] = vdupq_n_f32(0.0f);                               \
+        for (int64_t b = 0; b < nfull; b++) {                                                 \
+            int8x16_t x0 = vld1q_s8(xq + b * QK), x1 = vld1q_s8(xq + b * QK + 16);            \
+            for (int r = 0; r < R; r++) {                                                     \
+                const int8_t *wr = w + r * ldw + b * QK;                                      \
+                __builtin_prefetch(wr + PF);                                                  \
+                int32x4_t p = vdotq_s32(vdupq_n_s32(0), vld1q_s8(wr), x0);                    \
+                p = vdotq_s32(p, vld1q_s8(wr + 16), x1);                                      \
+                acc[r] = vfmaq_n_f32(acc[r], vcvtq_f32_s32(p), xd[b]);                        \
+            }                                                                                 \
+        }                                                                                     \
+        for (int r = 0; r < R; r++) out[r] = vaddvq_f32(acc[r]);                              \
+    }
+DOT_ROWS(1)
+#else
+static void dot1(const int8_t *w, int64_t ldw, int64_t nfull, const int8_t *xq, const float *xd,
+                 float *out) {
+    (void)ldw;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nfull; b++) {
+        int32_t s = 0;
+        for (int k = 0; k < QK; k++) s += (int32_t)w[b * QK + k] * (int32_t)xq[b * QK + k];
+        acc += (float)s * xd[b];
+    }
+    *out = acc;
+}
+
+#endif
+
+/* The last partial block (K % QK values), exact in float. */
+static inline float tail(const int8_t *w, int64_t from, int64_t K, const float *x) {
+    float s = 0.0f;
+    for (int64_t k = from; k < K; k++) s += (float)w[k] * x[k];
+    return s;
+}
+
+/* Threads: without OpenMP every call runs on one. */
+static int clamp_threads(int threads) {
+#ifdef _OPENMP
+    return threads < 1 ? 1 : threads;
+#else
+    (void)threads;
+    return 1;
+#endif
+}
+
+static inline int team_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static inline int team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+/* [lo, hi) of n items for member t of a team of nt: contiguous, sizes differ by at most 1. */
+static inline void share(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
+    *lo = n * t / nt;
+    *hi = n * (t + 1) / nt;
+}
+
+/* Rows [n0, n1) of y = scale * (W . x), x quantized as (xq, xd). One row at a time: the
+   weights are one linear stream, which the hardware prefetchers follow best (reading 4 rows
+   side by side ran the 168 MB output layer of Gemma 3 270M 2.3x slower on Zen 4). */
+static void rows_q(const int8_t *w, int64_t ldw, int64_t K, const float *scale, const int8_t *xq,
+                   const float *xd, const float *x, float *y, int64_t n0, int64_t n1) {
+    int64_t nfull = K / QK, from = nfull * QK;
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *wn = w + n * ldw;
+        float v;
+        dot1(wn, ldw, nfull, xq, xd, &v);
+        if (from < K) v += tail(wn, from, K, x);
+        y[n] = scale ? v * scale[n] : v;
+    }
+}
+
+int si_linear_i8(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N, int64_t ldw,
+                 const float *scale, float *y, int threads) {
+    int64_t nb = (K + QK - 1) / QK;
+    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * nb * QK + 63) / 64 * 64));
+    float *xd = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * nb * QK, xd + m * nb);
+    threads = clamp_threads(threads);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t n0, n1;
+        share(N, team_id(), team_size(), &n0, &n1);
+        /* one row at a time for all M activation rows: every weight row is read once */
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t m = 0; m < M; m++)
+                rows_q(w, ldw, K, scale, xq + m * nb * QK, xd + m * nb, x + m * K, y + m * N, n,
+                       n + 1);
+    }
+    free(xq);
+    free(xd);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------
+   4-bit rows (llama.cpp's Q4_0 values): per block of 32 weights, 16 bytes of nibbles (byte j:
+   weight j in the low nibble, weight j + 16 in the high one, stored as q + 8, q in [-8, 7])
+   and one float16 scale: w = q * d. The activations are quantized per block as above.
+
+   y[m, n] = sum_b d[n, b] * xd[m, b] * sum_{k in b} q[n, k] * xq[m, k]
+
+   w4: [N, K / 2] bytes at row stride ldw (bytes), d: [N, K / 32] float16 bits at row stride
+   ldd; K a multiple of 32. */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
+    union {
+        uint32_t u;
+        float f;
+    } v;
+    if (e == 0) { /* zero or subnormal: m * 2^-24 */
+        float f = (float)m * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    v.u = sign | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    return v.f;
+}
+
+static void q4_row(const uint8_t *w, const uint16_t *d, int64_t nb, const int8_t *xq,
+                   const float *xd, const int32_t *xs, float *out) {
+#if defined(SI_AVX2) || defined(SI_AVX512)
+    /* the nibbles q + 8 are the unsigned operand as they are: sum (q + 8) x = sum q x +
+       8 sum x, and 8 sum x is taken off as xs[b] (the block's activation sum) per int32 lane */
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(w + b * 16));
+        __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+#if defined(SI_AVXVNNI)
+        __m256i p = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wv, xv);
+#elif defined(SI_VNNI512)
+        __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
+#else
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1));
+#endif
+        p = _mm256_sub_epi32(p, _mm256_set1_epi32(xs[b]));
+        __m256 sc = _mm256_set1_ps(_cvtsh_ss(d[b]) * xd[b]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc);
+    }
+    *out = hsum256(acc);
+#elif defined(SI_NEON_DOT)
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    const uint8x16_t low = vdupq_n_u8(0x0F);
+    const int8x16_t eight = vdupq_n_s8(8);
+    for (int64_t b = 0; b < nb; b++) {
+        uint8x16_t raw = vld1q_u8(w + b * 16);
+        int8x16_t lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(raw, low)), eight);
+        int8x16_t hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(raw, 4)), eight);
+        int32x4_t p = vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xq + b * QK));
+        p = vdotq_s32(p, hi, vld1q_s8(xq + b * QK + 16));
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(p), half_to_float(d[b]) * xd[b]);
+    }
+    (void)xs;
+    *out = vaddvq_f32(acc);
+#else
+    (void)xs;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        int32_t s = 0;
+        for (int j = 0; j < 16; j++) {
+            s += ((int32_t)(w[b * 16 + j] & 15) - 8) * (int32_t)xq[b * QK + j];
+            s += ((int32_t)(w[b * 16 + j] >> 4) - 8) * (int32_t)xq[b * QK + j + 16];
+        }
+        acc += (float)s * (half_to_float(d[b]) * xd[b]);
+    }
+    *out = acc;
+#endif
+}
+
+int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *d,
+                 int64_t N, int64_t ldw, int64_t ldd, float *y, int threads) {
+    if (K % QK) return -2;
+    int64_t nb = K / QK;
+    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * nb * QK + 63) / 64 * 64));
+    float *xd = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return -1;
+    }
+    int32_t *xs = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
+    if (!xs) {
+        free(xq);
+        free(xd);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * nb * QK, xd + m * nb);
+    for (int64_t i = 0; i < M * nb; i++) { /* each of 8 int32 lanes carries 8 / 8 of the sum */
+        int32_t sum = 0;
+        for (int k = 0; k < QK; k++) sum += xq[i * QK + k];
+        xs[i] = sum;
+    }
+    threads = clamp_threads(threads);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t n0, n1;
+        share(N, team_id(), team_size(), &n0, &n1);
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t m = 0; m < M; m++)
+                q4_row(w + n * ldw, d + n * ldd, nb, xq + m * nb * QK, xd + m * nb, xs + m * nb,
+                       y + m * N + n);
+    }
+    free(xq);
+    free(xd);
+    free(xs);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------
+   One decode step of a whole int8 model, for one token (batch 1), in float32 activations.
+
+   Every decoder layer: h = norm(x); q, k, v = W h (one quantization of h for the three);
+   per-head q/k norms (Gemma 3); rotary embedding from tables; k, v into the cache at pos;
+   attention of each query head over its kv head's cached keys (a sliding window where set);
+   o = Wo att; x += post_norm(o) (post norm Gemma 3 only). Then h = norm(x); the active
+   prefix of the neuron slots: gate/up rows (interleaved, [k, 2, H]), a = act(gate) * up *
+   down_scale, y = Down[:, :n_active] a; x += post_norm(y).
+
+   Norms: out = x / sqrt(mean(x^2) + eps) * w, with w the effective float32 weight (Gemma 3:
+   1 + weight, computed by the caller). Rotary: out = x * cos + roll(x, hd / 2) * sin, with
+   the sign of the first half folded into sin by the caller.
+
+   Threads: one team for the whole step. Every product is split by rows, each member a
+   contiguous share; heads are split across members; the activations are quantized
+   by blocks across members; the norms and residual adds (a few thousand floats) run on one
+   member. Members meet at a barrier where one's output is another's input.
+*/
+typedef struct {
+    const int8_t *w;
+    const float *scale; /* [n] */
+    int64_t n, k, ldw;
+} si_mat;
+
+typedef struct {
+    const float *in_norm, *post_attn_norm, *pre_mlp_norm, *post_mlp_norm; /* [H]; NULL: none */
+    const float *q_norm, *k_norm;                                           /* [hd]; NULL: none */
+    si_mat q, k, v, o;
+    float *k_cache, *v_cache; /* [n_kv, cap, hd] */
+    const float *cos, *sin;   /* [cap, hd] */
+    int64_t window;           /* keys per query, itself included; 0 = all */
+    const int8_t *gu;         /* [n_loaded, 2, H] */
+    const float *gu_scale;    /* [n_loaded, 2] */
+    const int8_t *down;       /* [H, >= n_active] at row stride down_ld */
+    const float *down_scale;  /* [>= n_active] */
+    int64_t down_ld, n_active;
+} si_layer;
+
+typedef struct {
+    int64_t hidden, n_heads, n_kv, head_dim, cap, max_k;
+    float eps, scaling;
+    int act; /* 0: SiLU, 1: GELU (tanh approximation) */
+    int64_t teams; /* most threads the scratch has room for (scores rows) */
+    /* scratch, float32 unless noted: h [max_k], q [n_heads*hd], kv [2*n_kv*hd],
+       att [n_heads*hd], scores [teams*cap], gu [2*max_k], a [max_k],
+       xq int8 [max_k + QK], xd [max_k/QK + 1] */
+    float *h, *q, *kv, *att, *scores, *gu, *a;
+    int8_t *xq;
+    float *xd;
+} si_model;
+
+int si_abi(int64_t *sizes, int n) {
+    int64_t s[3] = {(int64_t)sizeof(si_mat), (int64_t)sizeof(si_layer), (int64_t)sizeof(si_model)};
+    for (int i = 0; i < n && i < 3; i++) sizes[i] = s[i];
+    return SI_ABI_VERSION;
+}
+
+const char *si_isa(void) { return SI_ISA; }
+
+/* The threads a call may use: OpenMP's default team size, 1 without OpenMP. */
+int si_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+int si_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+/* This member's share of y = W . x (x quantized as m->xq, m->xd); no barrier. */
+static void gemv_part(const si_mat *mt, const si_model *m, const float *x, float *y, int t,
+                      int nt) {
+    int64_t n0, n1;
+    share(mt->n, t, nt, &n0, &n1);
+    rows_q(mt->w, mt->ldw, mt->k, mt->scale, m->xq, m->xd, x, y, n0, n1);
+}
+
+/* This member's share of the quantization of x [K] into m->xq, m->xd; no barrier. */
+static void quantize_part(const si_model *m, const float *x, int64_t K, int t, int nt) {
+    int64_t b0, b1;
+    share((K + QK - 1) / QK, t, nt, &b0, &b1);
+    quantize_blocks(x, K, b0, b1, m->xq, m->xd);
+}
+
+static void barrier(void) {
+#pragma omp barrier
+}
+
+static void rope(float *x, const float *cos, const float *sin, int64_t hd) {
+    int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] + b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+static inline float act(float g, int kind) {
+    if (kind == 1) {
+        const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
+        return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
+    }
+    return g / (1.0f + expf(-g));
+}
+
+/* Query head j over its kv head's cached keys [lo, pos] -> m->att[j]. */
+static void attend(const si_model *m, const si_layer *L, int64_t j, int64_t lo, int64_t pos,
+                   float *s) {
+    int64_t hd = m->head_dim, cap = m->cap, G = m->n_heads / m->n_kv, S = pos + 1 - lo;
+    const float *qj = m->q + j * hd;
+    const float *kc = L->k_cache + ((j / G) * cap + lo) * hd;
+    const float *vc = L->v_cache + ((j / G) * cap + lo) * hd;
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t t = 0; t < S; t++) {
+        float d = 0.0f;
+        for (int64_t i = 0; i < hd; i++) d += qj[i] * kc[t * hd + i];
+        s[t] = d * m->scaling;
+        mx = s[t] > mx ? s[t] : mx;
+    }
+    for (int64_t t = 0; t < S; t++) {
+        s[t] = expf(s[t] - mx);
+        sum += s[t];
+    }
+    float *out = m->att + j * hd;
+    for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
+    for (int64_t t = 0; t < S; t++) {
+        float p = s[t] / sum;
+        for (int64_t i = 0; i < hd; i++) out[i] += p * vc[t * hd + i];
+    }
+}
+
+/* One layer's attention, run by every member t of nt; x is updated in place. Starts after a
+   barrier, ends with one. */
+static void attention_step(const si_model *m, const si_layer *L, float *x, int64_t pos, int t,
+                           int nt) {
+    int64_t H = m->hidden, nh = m->n_heads, nkv = m->n_kv, hd = m->head_dim, cap = m->cap;
+    float *h = m->h, *q = m->q, *k = m->kv, *v = m->kv + nkv * hd;
+    if (t == 0) rms_norm(x, L->in_norm, H, m->eps, h);
+    barrier();
+    quantize_part(m, h, H, t, nt);
+    barrier();
+    gemv_part(&L->q, m, h, q, t, nt);
+    gemv_part(&L->k, m, h, k, t, nt);
+    gemv_part(&L->v, m, h, v, t, nt);
+    barrier();
+    const float *cs = L->cos + pos * hd, *sn = L->sin + pos * hd;
+    for (int64_t j = t; j < nkv; j += nt) {
+        if (L->k_norm) rms_norm(k + j * hd, L->k_norm, hd, m->eps, k + j * hd);
+        rope(k + j * hd, cs, sn, hd);
+        memcpy(L->k_cache + (j * cap + pos) * hd, k + j * hd, (size_t)hd * sizeof(float));
+        memcpy(L->v_cache + (j * cap + pos) * hd, v + j * hd, (size_t)hd * sizeof(float));
+    }
+    barrier();
+    int64_t lo = L->window > 0 && pos + 1 > L->window ? pos + 1 - L->window : 0;
+    for (int64_t j = t; j < nh; j += nt) {
+        if (L->q_norm) rms_norm(q + j * hd, L->q_norm, hd, m->eps, q + j * hd);
+        rope(q + j * hd, cs, sn, hd);
+        attend(m, L, j, lo, pos, m->scores + t * cap);
+    }
+    barrier();
+    quantize_part(m, m->att, nh * hd, t, nt);
+    barrier();
+    gemv_part(&L->o, m, m->att, h, t, nt);
+    barrier();
+    if (t == 0) {
+        if (L->post_attn_norm) rms_norm(h, L->post_attn_norm, H, m->eps, h);
+        for (int64_t i = 0; i < H; i++) x[i] += h[i];
+    }
+    barrier();
+}
+
+/* One layer's MLP over the active prefix, run by every member; same barriers as above. */
+static void mlp_step(const si_model *m, const si_layer *L, float *x, int t, int nt) {
+    int64_t H = m->hidden, k = L->n_active;
+    float *h = m->h, *gu = m->gu, *a = m->a;
+    if (t == 0) rms_norm(x, L->pre_mlp_norm, H, m->eps, h);
+    barrier();
+    quantize_part(m, h, H, t, nt);
+    barrier();
+    si_mat gum = {L->gu, L->gu_scale, 2 * k, H, H};
+    gemv_part(&gum, m, h, gu, t, nt);
+    barrier();
+    /* activations and their quantization, block by block: a member's blocks are its own */
+    int64_t b0, b1;
+    share((k + QK - 1) / QK, t, nt, &b0, &b1);
+    for (int64_t n = b0 * QK; n < b1 * QK && n < k; n++)
+        a[n] = act(gu[2 * n], m->act) * gu[2 * n + 1] * L->down_scale[n];
+    quantize_blocks(a, k, b0, b1, m->xq, m->xd);
+    barrier();
+    si_mat dm = {L->down, NULL, H, k, L->down_ld};
+    gemv_part(&dm, m, a, h, t, nt);
+    barrier();
+    if (t == 0) {
+        if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, H, m->eps, h);
+        for (int64_t i = 0; i < H; i++) x[i] += h[i];
+    }
+    barrier();
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* x [H]: the token's embedding in, the last layer's output out. timing (NULL = off): seconds
+   in attention and in the MLP are added to timing[0] and timing[1]. threads: at most
+   m->teams. */
+int si_decode_layers(const si_model *m, const si_layer *layers, int64_t n_layers, float *x,
+                     int64_t pos, int threads, double *timing) {
+    if (pos >= m->cap) return -1;
+    threads = clamp_threads(threads);
+    if (threads > m->teams) threads = (int)m->teams;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int t = team_id(), nt = team_size();
+        for (int64_t l = 0; l < n_layers; l++) {
+            double t0 = timing && t == 0 ? now() : 0.0;
+            attention_step(m, &layers[l], x, pos, t, nt);
+            double t1 = timing && t == 0 ? now() : 0.0;
+            mlp_step(m, &layers[l], x, t, nt);
+            if (timing && t == 0) {
+                timing[0] += t1 - t0;
+                timing[1] += now() - t1;
+            }
+        }
+    }
+    return 0;
+}

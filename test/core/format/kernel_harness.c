@@ -1,0 +1,122 @@
+/* A stand-alone run of the kernel (included whole), for test_kernel_aarch64.py: built once per
+   instruction-set path (for aarch64, run under qemu-user on other machines), it prints
+   - "isa <name>",
+   - "linear <i> <threads> <values...>": si_linear_i8 over shapes with odd block counts,
+     partial blocks and column prefixes of wider rows, on 1 and 2 threads,
+   - "q4 <i> <threads> <values...>": si_linear_q4 (4-bit rows) likewise,
+   - "decode <pos> <values...>": the hidden state after si_decode_layers of a small random
+     int8 model (2 layers, GQA, q/k norms, a sliding window, a partial active prefix),
+   all from a fixed pseudo-random sequence, as %a (exact) floats. */
+#include "int8_decode.c"
+
+#include <stdio.h>
+
+static uint64_t state = 88172645463325252ull;
+
+static float urand(void) { /* xorshift64: [-1, 1) */
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return (float)((state >> 40) & 0xFFFFFF) / 8388608.0f - 1.0f;
+}
+
+static int8_t *qrows(int64_t n) {
+    int8_t *w = malloc((size_t)n);
+    for (int64_t i = 0; i < n; i++) w[i] = (int8_t)lrintf(urand() * 127.0f);
+    return w;
+}
+
+static float *frand(int64_t n, float lo, float hi) {
+    float *v = malloc((size_t)n * sizeof(float));
+    for (int64_t i = 0; i < n; i++) v[i] = lo + (hi - lo) * 0.5f * (urand() + 1.0f);
+    return v;
+}
+
+static void print(const char *what, int64_t a, int64_t b, const float *y, int64_t n) {
+    printf("%s %lld %lld", what, (long long)a, (long long)b);
+    for (int64_t i = 0; i < n; i++) printf(" %a", y[i]);
+    printf("\n");
+}
+
+static si_mat mat(int64_t n, int64_t k) {
+    si_mat m = {qrows(n * k), frand(n, 0.001f, 0.02f), n, k, k};
+    return m;
+}
+
+int main(void) {
+    printf("isa %s\n", si_isa());
+    static const int64_t shapes[][4] = {/* N, K, M, ldw */
+                                        {7, 45, 3, 45},    {64, 640, 1, 640}, {33, 31, 2, 40},
+                                        {9, 96, 1, 96},    {12, 100, 2, 130}, {5, 160, 1, 160},
+                                        {130, 2048, 2, 2048}, {16, 1024, 1, 1100}};
+    for (int i = 0; i < (int)(sizeof shapes / sizeof shapes[0]); i++) {
+        int64_t N = shapes[i][0], K = shapes[i][1], M = shapes[i][2], ld = shapes[i][3];
+        int8_t *w = qrows(N * ld);
+        float *scale = frand(N, 0.001f, 0.02f), *x = frand(M * K, -2.0f, 2.0f);
+        float *y = malloc((size_t)(M * N) * sizeof(float));
+        for (int threads = 1; threads <= 2; threads++) {
+            if (si_linear_i8(x, M, K, w, N, ld, i % 2 ? NULL : scale, y, threads) != 0) return 1;
+            print("linear", i, threads, y, M * N);
+        }
+    }
+
+    static const int64_t q4shapes[][3] = {{7, 64, 3}, {64, 640, 1}, {33, 96, 2}, {130, 2048, 2}};
+    for (int i = 0; i < 4; i++) {
+        int64_t N = q4shapes[i][0], K = q4shapes[i][1], M = q4shapes[i][2];
+        uint8_t *w = (uint8_t *)qrows(N * K / 2);
+        uint16_t *d = malloc((size_t)(N * K / QK) * sizeof(uint16_t));
+        for (int64_t j = 0; j < N * K / QK; j++) /* float16 scales in [2^-7, 2^-5) */
+            d[j] = (uint16_t)(((15 - 7 + (j % 2)) << 10) | ((uint16_t)(urand() * 511.0f + 512.0f)));
+        float *x = frand(M * K, -2.0f, 2.0f), *y = malloc((size_t)(M * N) * sizeof(float));
+        for (int threads = 1; threads <= 2; threads++) {
+            if (si_linear_q4(x, M, K, w, d, N, K / 2, K / QK, y, threads) != 0) return 1;
+            print("q4", i, threads, y, M * N);
+        }
+    }
+
+    const int64_t H = 64, nh = 4, nkv = 2, hd = 16, cap = 8, loaded = 96, L = 2, teams = 2;
+    si_model m = {H, nh, nkv, hd, cap, loaded > H ? loaded : H, 1e-6f, 0.25f, 1, teams,
+                  NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    m.h = calloc(m.max_k, sizeof(float));
+    m.q = calloc(nh * hd, sizeof(float));
+    m.kv = calloc(2 * nkv * hd, sizeof(float));
+    m.att = calloc(nh * hd, sizeof(float));
+    m.scores = calloc(teams * cap, sizeof(float));
+    m.gu = calloc(2 * loaded, sizeof(float));
+    m.a = calloc(m.max_k, sizeof(float));
+    m.xq = calloc(m.max_k + QK, 1);
+    m.xd = calloc(m.max_k / QK + 2, sizeof(float));
+    si_layer layers[2];
+    float *cos = frand(cap * hd, -1.0f, 1.0f), *sin = frand(cap * hd, -1.0f, 1.0f);
+    for (int l = 0; l < L; l++) {
+        si_layer *ly = &layers[l];
+        ly->in_norm = frand(H, 0.5f, 1.5f);
+        ly->post_attn_norm = frand(H, 0.5f, 1.5f);
+        ly->pre_mlp_norm = frand(H, 0.5f, 1.5f);
+        ly->post_mlp_norm = frand(H, 0.5f, 1.5f);
+        ly->q_norm = frand(hd, 0.5f, 1.5f);
+        ly->k_norm = frand(hd, 0.5f, 1.5f);
+        ly->q = mat(nh * hd, H);
+        ly->k = mat(nkv * hd, H);
+        ly->v = mat(nkv * hd, H);
+        ly->o = mat(H, nh * hd);
+        ly->k_cache = calloc(nkv * cap * hd, sizeof(float));
+        ly->v_cache = calloc(nkv * cap * hd, sizeof(float));
+        ly->cos = cos;
+        ly->sin = sin;
+        ly->window = l == 1 ? 4 : 0;
+        ly->gu = qrows(loaded * 2 * H);
+        ly->gu_scale = frand(loaded * 2, 0.001f, 0.02f);
+        ly->down = qrows(H * loaded);
+        ly->down_scale = frand(loaded, 0.001f, 0.02f);
+        ly->down_ld = loaded;
+        ly->n_active = 80; /* two full blocks and a partial one */
+    }
+    float *x = malloc(H * sizeof(float));
+    for (int64_t pos = 0; pos < 6; pos++) {
+        for (int64_t i = 0; i < H; i++) x[i] = urand();
+        if (si_decode_layers(&m, layers, L, x, pos, 2, NULL) != 0) return 1;
+        print("decode", pos, 0, x, H);
+    }
+    return 0;
+}

@@ -1,0 +1,191 @@
+"""The C kernel's contract and its paths: the ABI check refuses a library that disagrees with the
+ctypes mirrors, no compiler means the float fallback (with the reason logged, same results), a
+compiler without OpenMP builds a one-thread kernel, and every instruction-set path this CPU runs
+gives the plain C path's results to float rounding, for single products and whole decode steps."""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from selectinfer_ros.core.format import int8, kernel
+from selectinfer_ros.core.format.pack import pack
+
+# K: odd block counts (the AVX-512 paths take two blocks at once), partial blocks, K < 32
+SHAPES = [(7, 45, 3), (64, 640, 1), (130, 2048, 5), (33, 31, 2), (9, 96, 1), (12, 100, 2),
+          (5, 160, 1), (64, 1024, 1)]
+
+
+def _linear(k: kernel.Kernel, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None,
+            threads: int) -> torch.Tensor:
+    y = torch.empty(x.shape[0], q.shape[0])
+    rc = k.lib.si_linear_i8(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), q.shape[0],
+                            q.stride(0), scale.data_ptr() if scale is not None else None,
+                            y.data_ptr(), threads)
+    assert rc == 0
+    return y
+
+
+def _cases():
+    g = torch.Generator().manual_seed(7)
+    for n, kk, m in SHAPES:
+        q, scale = int8.quantize_rows(torch.randn(n, kk + 13, generator=g))
+        yield q[:, :kk], scale, torch.randn(m, kk, generator=g)  # a column prefix of wider rows
+
+
+def test_kernel_reports_its_path_and_abi():
+    k = kernel.kernel()
+    assert k is not None, kernel.status()
+    assert k.isa == kernel.candidates()[0][0]  # the best path the CPU has
+    assert kernel.status().startswith(f"int8 kernel ({k.isa}, ")
+    kernel.check_abi(k.lib)
+    assert k.path.name.startswith(f"int8_decode-") and f"-{k.isa}-" in k.path.name
+
+
+def test_isa_choice_follows_the_cpu_flags():
+    zen4 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    assert kernel.candidates("x86_64", zen4)[0][0] == "avx512vnni"
+    assert kernel.candidates("x86_64", {"avx2", "fma", "f16c", "avx_vnni"})[0][0] == "avxvnni"
+    assert [n for n, _ in kernel.candidates("x86_64", {"avx2", "fma", "f16c"})] == ["avx2", "plain"]
+    assert kernel.candidates("x86_64", {"sse2"})[0][0] == "plain"
+    orin = {"fp", "asimd", "asimdhp", "asimddp", "lrcpc", "dcpop"}  # Cortex-A78AE
+    assert kernel.candidates("aarch64", orin)[0][0] == "neon-dotprod"
+    assert kernel.candidates("aarch64", orin | {"i8mm"})[0][0] == "neon-i8mm"
+    with pytest.raises(kernel.KernelError, match="this CPU lacks avx512_vnni"):
+        kernel.candidates("x86_64", {"avx2", "fma"}, forced="avx512vnni")
+    with pytest.raises(kernel.KernelError, match="not one of"):
+        kernel.candidates("x86_64", zen4, forced="sve")
+
+
+def test_abi_mismatch_is_refused(tmp_path):
+    with pytest.raises(kernel.KernelError, match=r"kernel ABI mismatch: version 999 in C, "
+                                                 rf"{kernel.ABI_VERSION} in Python"):
+        kernel.load(cache=tmp_path, extra_flags=("-DSI_ABI_VERSION=999",))
+    k = kernel.kernel()
+    sizes = list(kernel.STRUCT_SIZES)
+    sizes[1] += 8  # a Python mirror of si_layer with one field more than the C struct
+    with pytest.raises(kernel.KernelError, match=rf"si_layer {sizes[1] - 8} bytes in C, "
+                                                 rf"{sizes[1]} in Python"):
+        kernel.check_abi(k.lib, sizes=tuple(sizes))
+
+
+@pytest.mark.parametrize("isa", [n for n, _ in kernel.candidates()])
+def test_every_path_of_this_cpu_equals_the_plain_c_path(isa, tmp_path):
+    plain, k = kernel.load(isa="plain"), kernel.load(isa=isa)
+    assert k.isa == isa and plain.isa == "plain"
+    for q, scale, x in _cases():
+        want = _linear(plain, x, q, scale, 1)
+        for threads in (1, 2, 3):
+            got = _linear(k, x, q, scale, threads)
+            # the same integer block products; only the float sums' order differs
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())), \
+                (isa, q.shape, threads)
+
+
+# A whole int8 model in a child process (the kernel is chosen once per process): teacher-forced
+# logits of the lean decoder, selection on (gamma 0.7, phi 0.5), 2 threads.
+_CHILD = r"""
+import sys, torch
+from selectinfer_ros.core.format import int8
+from selectinfer_ros.core.selection.loader import SelectiveModel
+from selectinfer_ros.core.execution.engine import Engine
+torch.set_num_threads(2)
+packed, profiles, out = sys.argv[1:4]
+lines = []
+sm = SelectiveModel(packed, profiles, "alpha", load_ratio=0.7, static_ratio=0.3,
+                    compute_ratio=0.5, log=lines.append)
+e = Engine.from_selective(sm)
+ids = torch.randint(4, 500, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+with torch.inference_mode():
+    e._start(torch.tensor([ids[:10]]))
+    logits = [e.decoder.prefill(ids[:10], extra=14)]
+    e._end_prefill()
+    logits += [e.decoder.decode_one_token(t) for t in ids[10:]]
+g = torch.Generator().manual_seed(2)
+q, s = int8.quantize_rows(torch.randn(40, 100, generator=g))
+x = torch.randn(3, 100, generator=g)
+lin = (int8.linear(x, q, s) - x @ (q.float() * s[:, None]).T).abs().max() / x.abs().max()
+from selectinfer_ros.core.format import q4
+p4, d4 = q4.quantize(torch.randn(40, 96, generator=g))
+x4 = torch.randn(3, 96, generator=g)
+lin4 = (q4.linear(x4, p4, d4) - x4 @ q4.dequantize(p4, d4).T).abs().max() / x4.abs().max()
+torch.save(dict(logits=torch.stack(logits), lines=lines, path=e.decoder.path,
+                status=int8.kernel_status(), linear_err=float(lin),
+                q4_err=float(lin4)), out)
+"""
+
+
+@pytest.fixture(scope="module")
+def int8_tiny(tiny_models, tiny_profiles, tmp_path_factory):
+    hf, _ = tiny_models["tiny-gemma3"]
+    path = pack(hf, tmp_path_factory.mktemp("kernel") / "int8", weights="int8",
+                log=lambda s: None).path
+    return path, tiny_profiles["tiny-gemma3"]
+
+
+def _child(int8_tiny, tmp_path: Path, **env: str) -> dict:
+    out = tmp_path / "child.pt"
+    res = subprocess.run([sys.executable, "-c", _CHILD, str(int8_tiny[0]), str(int8_tiny[1]),
+                          str(out)], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return torch.load(out)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a - b).abs().amax(dim=-1) / b.std(dim=-1)
+
+
+@pytest.fixture(scope="module")
+def plain_run(int8_tiny, tmp_path_factory):
+    r = _child(int8_tiny, tmp_path_factory.mktemp("plain"), SELECTINFER_KERNEL_ISA="plain")
+    assert r["path"] == "int8 decode kernel" and r["status"].startswith("int8 kernel (plain, ")
+    return r
+
+
+def test_without_a_compiler_the_float_fallback_says_why_and_agrees(int8_tiny, plain_run, tmp_path):
+    r = _child(int8_tiny, tmp_path, CC=str(tmp_path / "no-such-cc"),
+               SELECTINFER_CACHE=str(tmp_path / "cache"))
+    why = f"float fallback (cannot run the C compiler '{tmp_path / 'no-such-cc'}'"
+    assert r["status"].startswith(why), r["status"]
+    assert any(line.startswith(f"[load] int8 weights: {why}") for line in r["lines"]), r["lines"]
+    assert r["path"].startswith("torch ops (float fallback (cannot run the C compiler")
+    assert r["linear_err"] < 1e-5 and r["q4_err"] < 1e-5  # the float product of dequantized rows
+    # float activations instead of int8 ones: the same model to int8 noise
+    cos = torch.nn.functional.cosine_similarity(r["logits"], plain_run["logits"], dim=-1)
+    assert float(cos.min()) > 0.99
+    assert float((r["logits"].argmax(-1) == plain_run["logits"].argmax(-1)).float().mean()) >= 0.8
+
+
+def test_a_compiler_without_openmp_builds_a_one_thread_kernel(int8_tiny, plain_run, tmp_path):
+    cc = tmp_path / "cc-no-openmp"
+    cc.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && '
+                  '{ echo "cc1: error: unsupported option -fopenmp" >&2; exit 1; }; done\n'
+                  'exec cc "$@"\n')
+    cc.chmod(0o755)
+    k = kernel.load(cc=str(cc), cache=tmp_path / "cache")
+    assert not k.openmp and "1 thread" in k.describe()
+    assert k.lib.si_max_threads() == 1
+    plain = kernel.load(isa="plain")
+    for q, scale, x in _cases():
+        want = _linear(plain, x, q, scale, 1)
+        got = _linear(k, x, q, scale, 4)  # asks for 4, runs on 1
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    r = _child(int8_tiny, tmp_path, CC=str(cc), SELECTINFER_CACHE=str(tmp_path / "cache"))
+    assert "no OpenMP in the compiler: 1 thread" in r["status"] and r["path"] == "int8 decode kernel"
+    assert float(_rel(r["logits"], plain_run["logits"]).median()) < 1e-3
+
+
+@pytest.mark.parametrize("isa", [n for n, _ in kernel.candidates() if n != "plain"])
+def test_decode_steps_of_every_path_equal_the_plain_c_path(isa, int8_tiny, plain_run, tmp_path):
+    """Whole decode steps on two threads. Float rounding can move an activation across an int8
+    rounding step (see test_decode), so: most steps equal, all within int8 noise."""
+    r = _child(int8_tiny, tmp_path, SELECTINFER_KERNEL_ISA=isa)
+    assert r["status"].startswith(f"int8 kernel ({isa}, ") and r["path"] == "int8 decode kernel"
+    rel = _rel(r["logits"], plain_run["logits"])
+    assert float(rel.median()) < 1e-3 and float(rel.max()) < 0.2, rel
