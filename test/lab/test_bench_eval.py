@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from selectinfer_ros.lab.textmetrics import chrf, exact_match, rouge_l
 
 
@@ -46,6 +48,7 @@ def test_bench_quick_writes_json_and_plot(tiny_models, tiny_profiles, tmp_path):
     assert q["bytes_per_decode_token"] < 0.5 * sel["selectinfer 0.7/0.5"]["bytes_per_decode_token"]
 
 
+@pytest.mark.timeout(1500)  # a whole quick eval of the real model: minutes on 2 busy cores
 def test_eval_quick_on_embedded_model(embedded, embedded_profiles, tmp_path):
     _cli("eval", "--quick", "--only", "loading_only,random", "--threads", "2", "--out", str(tmp_path),
          timeout=1500)
@@ -71,6 +74,7 @@ def test_text_metrics():
     assert rouge_l("", "x") == 0.0
 
 
+@pytest.mark.timeout(1500)
 def test_eval_cross_phrasing_quick(embedded, embedded_profiles, tmp_path):
     """Both directions (profiles of one phrasing on prompts of the other); the per-task agreement
     and the stored curve's prediction sit beside each other."""
