@@ -18,10 +18,9 @@ from hypothesis import strategies as st
 
 from selectinfer_ros.core.execution.engine import (MAX_CHOICE_TOKENS, Engine, GenerationConfig,
                                                    validate_choices)
-from selectinfer_ros.core.options import ModelOptions, NodeSettings
+from selectinfer_ros.core.options import NodeSettings
 from selectinfer_ros.core.serving import server as serving
-from selectinfer_ros.core.serving.runtime import Runtime
-from selectinfer_ros.core.serving.server import Rejected, Server
+from selectinfer_ros.core.serving.server import Rejected
 
 PROMPT = "w10 w11 w12 w13 w14 w15"
 SETTINGS = NodeSettings(max_new_tokens=8, max_new_tokens_limit=64, load_ratio=0.7,
@@ -32,16 +31,9 @@ FAST = settings(max_examples=150, deadline=None,
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models, tiny_profiles):
-    _, packed = tiny_models["tiny-llama"]
-    opts = ModelOptions(model=str(packed), profiles=str(tiny_profiles["tiny-llama"]), task="alpha",
-                        load_ratio=0.7, compute_ratio=0.5, context_limit=64)
-    srv = Server(queue_length=1)
-    srv.start()
-    srv.load(lambda: Runtime(opts))
-    srv.accepting = True
-    yield srv
-    srv.stop(timeout=10.0)
+def server(module_server):
+    """One served model for the whole module: these tests only validate."""
+    return module_server
 
 
 def goal(**over):

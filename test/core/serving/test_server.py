@@ -9,24 +9,11 @@ import pytest
 
 from selectinfer_ros.core.serving import server as serving
 from selectinfer_ros.core.execution.engine import GenerationConfig
-from selectinfer_ros.core.options import ModelOptions, NodeSettings
-from selectinfer_ros.core.serving.runtime import Runtime
+from selectinfer_ros.core.options import NodeSettings
 from selectinfer_ros.core.serving.server import GoalJob, Rejected, Server
 
 PROMPT = "w10 w11 w12 w13 w14 w15"
 
-
-@pytest.fixture
-def server(tiny_models, tiny_profiles):
-    _, packed = tiny_models["tiny-llama"]
-    opts = ModelOptions(model=str(packed), profiles=str(tiny_profiles["tiny-llama"]), task="alpha",
-                        load_ratio=0.7, compute_ratio=0.5, context_limit=64)
-    srv = Server(queue_length=1)
-    srv.start()
-    srv.load(lambda: Runtime(opts))
-    srv.accepting = True
-    yield srv
-    srv.stop(timeout=10.0)
 
 
 def _wait_until(predicate, timeout: float) -> bool:
