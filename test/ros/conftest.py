@@ -171,7 +171,6 @@ class LLMGraph:
     """
 
     def __init__(self, spinner, namespace, node_params, manager_params=None):
-        from rclpy.action import ActionClient
         from rclpy.callback_groups import ReentrantCallbackGroup
         from rclpy.node import Node
         from rclpy.parameter import Parameter
@@ -179,6 +178,7 @@ class LLMGraph:
         from selectinfer_msgs.action import Generate
         from selectinfer_ros.ros.nodes.inference_node import InferenceNode
         from selectinfer_ros.ros.nodes.profile_manager import ProfileManager
+        from selectinfer_ros.ros.safe_action import SafeActionClient
 
         self.spinner = spinner
         self.namespace = namespace
@@ -196,8 +196,11 @@ class LLMGraph:
         self.group = ReentrantCallbackGroup()
         # Before the node joins the spinning executor: rclpy's ActionClient registers itself with
         # its node before its lock exists, and a spinning executor may touch it in between.
-        self.action = ActionClient(self.client_node, Generate, 'generate',
-                                   callback_group=self.group)
+        # The package's own client class: its feedback callback outlives the result, so a test
+        # can compare the streamed text with the result (rclpy's drops the last deltas whenever
+        # the result overtakes them; CI saw 4 of 12 go missing).
+        self.action = SafeActionClient(self.client_node, Generate, 'generate',
+                                       callback_group=self.group)
         spinner.add_node(self.client_node)
         self._clients = []
 
