@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..format import int8
+from ..format import int8, q4
 from ..format import kernel as native
 from ..format.architectures import activation_name
 
@@ -292,18 +292,18 @@ _ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 def native_unsupported(d: Decoder) -> str | None:
-    """Why the int8 decode kernel cannot run ``d``'s model (None when it can): it needs int8
-    attention projections without bias and int8 neuron slots in every layer, float32
-    activations on the CPU, and the compiled kernel."""
+    """Why the int8 decode kernel cannot run ``d``'s model (None when it can): it needs int8 or
+    4-bit attention projections without bias and int8 or 4-bit neuron slots in every layer,
+    float32 activations on the CPU, and the compiled kernel."""
     from ..selection.selective_mlp import SelectiveMLP
     if d.device.type != "cpu" or d.dtype != torch.float32:
         return "int8 decode kernel: float32 on the CPU only"
     if activation_name(d.model.config) not in _ACTIVATIONS:
         return f"activation {activation_name(d.model.config)!r}"
     for l in d.layers:
-        if not all(isinstance(m, int8.Int8Linear) for m in (l.q, l.k, l.v, l.o)):
+        if not all(isinstance(m, (int8.Int8Linear, q4.Q4Linear)) for m in (l.q, l.k, l.v, l.o)):
             return "float attention projections"
-        if not isinstance(l.mlp, SelectiveMLP) or l.mlp.gu_scale is None:
+        if not isinstance(l.mlp, SelectiveMLP) or (l.mlp.gu_scale is None and l.mlp.rec is None):
             return "float neuron slots"
     if {l.input_norm.eps for l in d.layers} != {d.final_norm.eps}:
         return "norms with different eps"
@@ -343,7 +343,8 @@ class NativeInt8Step:
                     att=torch.empty(d.n_heads * hd, **f32),
                     scores=torch.empty(teams * d.capacity, **f32),
                     gu=torch.empty(2 * max_loaded, **f32), a=torch.empty(max_k, **f32), xq=x_q,
-                    xd=torch.empty(max_k // 32 + 2, **f32))
+                    xd=torch.empty(max_k // 32 + 2, **f32),
+                    xs=torch.empty(max_k // 32 + 2, dtype=torch.int32))
         self._keep = list(bufs.values())
         m = self.model
         m.hidden, m.n_heads, m.n_kv, m.head_dim = H, d.n_heads, d.n_kv, hd
@@ -361,18 +362,30 @@ class NativeInt8Step:
             for name in ("q", "k", "v", "o"):
                 lin = getattr(l, name)
                 w = lin.weight
-                setattr(c, name, native.Mat(w.data_ptr(), lin.scale.data_ptr(), w.shape[0], w.shape[1],
-                                      w.stride(0)))
+                if isinstance(lin, q4.Q4Linear):  # nibbles [n, k / 2], float16 scales [n, k / 32]
+                    setattr(c, name, native.Mat(w.data_ptr(), None, w.shape[0], lin.in_features,
+                                                w.stride(0), lin.scale.data_ptr(), lin.scale.stride(0)))
+                else:
+                    setattr(c, name, native.Mat(w.data_ptr(), lin.scale.data_ptr(), w.shape[0],
+                                                w.shape[1], w.stride(0), None, 0))
             c.k_cache, c.v_cache = d.k_cache[i].data_ptr(), d.v_cache[i].data_ptr()
             cos, sin = d.tables[l.rope]
             c.cos, c.sin = cos.data_ptr(), sin.data_ptr()
             c.window = l.window or 0
             mlp = l.mlp
-            c.gu, c.gu_scale = mlp.gu.data_ptr(), mlp.gu_scale.data_ptr()
-            c.down, c.down_scale = mlp.down.data_ptr(), mlp.down_scale.data_ptr()
-            if mlp.gu.stride() != (2 * H, H, 1) or mlp.down.stride(1) != 1:
-                raise ValueError(f"layer {i}: neuron slots in an unexpected layout")
-            c.down_ld = mlp.down.stride(0)
+            if mlp.rec is not None:  # 4-bit records, read in place
+                if mlp.rec.stride(1) != 1 or H % 32:
+                    raise ValueError(f"layer {i}: 4-bit records in an unexpected layout")
+                c.rec, c.rec_ld = mlp.rec.data_ptr(), mlp.rec.stride(0)
+                c.gu = c.gu_scale = c.down = c.down_scale = None
+                c.down_ld = 0
+            else:
+                c.gu, c.gu_scale = mlp.gu.data_ptr(), mlp.gu_scale.data_ptr()
+                c.down, c.down_scale = mlp.down.data_ptr(), mlp.down_scale.data_ptr()
+                if mlp.gu.stride() != (2 * H, H, 1) or mlp.down.stride(1) != 1:
+                    raise ValueError(f"layer {i}: neuron slots in an unexpected layout")
+                c.down_ld = mlp.down.stride(0)
+                c.rec, c.rec_ld = None, 0
             c.n_active = mlp.n_loaded if mlp.state.prefill else mlp.n_active
         self.stale = False
 

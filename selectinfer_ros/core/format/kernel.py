@@ -1,5 +1,5 @@
-"""The C kernel library (``kernels/int8_decode.c``: int8 and 4-bit row products, the int8 decode
-step): built for the CPU at hand, loaded, checked.
+"""The C kernel library (``kernels/int8_decode.c``: int8 and 4-bit row products, the decode
+step of int8 and 4-bit models): built for the CPU at hand, loaded, checked.
 
 The instruction set is chosen from what the CPU lists (``/proc/cpuinfo``): the first of
 :data:`ISAS` for this machine whose flags the CPU has (``SELECTINFER_KERNEL_ISA`` names one
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_decode.c"
-ABI_VERSION = 4
+ABI_VERSION = 5
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
 # (name, cpuinfo flags it needs, compiler flags), best first, per machine
@@ -54,7 +54,8 @@ BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-std=c11"]
 # -- the structures shared with the C side (mirrors of si_mat, si_layer, si_model) ----------
 class Mat(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("n", ctypes.c_int64),
-                ("k", ctypes.c_int64), ("ldw", ctypes.c_int64)]
+                ("k", ctypes.c_int64), ("ldw", ctypes.c_int64), ("d", ctypes.c_void_p),
+                ("ldd", ctypes.c_int64)]
 
 
 class LayerC(ctypes.Structure):
@@ -64,7 +65,8 @@ class LayerC(ctypes.Structure):
                 + [(n, ctypes.c_void_p) for n in ("k_cache", "v_cache", "cos", "sin")]
                 + [("window", ctypes.c_int64)]
                 + [(n, ctypes.c_void_p) for n in ("gu", "gu_scale", "down", "down_scale")]
-                + [("down_ld", ctypes.c_int64), ("n_active", ctypes.c_int64)])
+                + [("down_ld", ctypes.c_int64), ("n_active", ctypes.c_int64),
+                   ("rec", ctypes.c_void_p), ("rec_ld", ctypes.c_int64)])
 
 
 class ModelC(ctypes.Structure):
@@ -73,7 +75,7 @@ class ModelC(ctypes.Structure):
                 + [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("act", ctypes.c_int),
                    ("teams", ctypes.c_int64)]
                 + [(n, ctypes.c_void_p) for n in ("h", "q", "kv", "att", "scores", "gu", "a",
-                                                  "xq", "xd")])
+                                                  "xq", "xd", "xs")])
 
 
 STRUCT_SIZES = (ctypes.sizeof(Mat), ctypes.sizeof(LayerC), ctypes.sizeof(ModelC))
@@ -207,6 +209,11 @@ def _open(out: Path, name: str) -> Kernel:
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     f = lib.si_linear_q4
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                  ctypes.c_void_p, ctypes.c_int]
+    f = lib.si_axpy_q4
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,

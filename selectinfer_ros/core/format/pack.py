@@ -9,10 +9,15 @@ A packed model folder holds:
   (gate row n, up row n, down column n), so a neuron is ``3 * H * itemsize`` contiguous bytes and
   loading a subset of neurons reads only those records. With int8 weights (``pack --weights
   int8``) a record is ``uint8 [3 * H + 12]``: the three rows as int8, then their three float32
-  scales, so a neuron is still one contiguous read;
+  scales, so a neuron is still one contiguous read. With 4-bit weights (``pack --weights q4``,
+  blocks of 32 with a float16 scale, llama.cpp's Q4_0 values, :mod:`.q4`) a record is
+  ``uint8 [27 * H / 16]``: the nibbles of the gate row, the up row and the down column
+  (``H / 2`` bytes each, blocks along H), then their float16 block scales (``H / 32`` each);
 - int8 weights also store the attention projections and the output layer / token embedding as
   int8 ``<name>.weight`` with a float32 per-row ``<name>.scale`` (``--weights int8-ffn``: only the
-  neuron records are int8);
+  neuron records are int8); q4 weights store them as 4-bit rows: uint8 nibbles ``<name>.weight``
+  ``[N, K / 2]`` and float16 ``<name>.scale`` ``[N, K / 32]`` (``--weights q4-ffn``: 4-bit
+  records, int8 attention and output layer);
 - ``checksums.safetensors``: int64 word sums of every neuron record (``layers.<l>.neurons``
   ``[I]``) and of every non-FFN tensor (its name, ``[1]``). The loader checks the records and
   tensors it reads; ``selectinfer verify`` checks everything.
@@ -43,7 +48,8 @@ MANIFEST = "manifest.json"
 FFN_FILE = "ffn.safetensors"
 OTHER_FILE = "model.safetensors"
 CHECKSUM_FILE = "checksums.safetensors"
-WEIGHTS = ("float", "int8", "int8-ffn")  # what ``pack --weights`` may write
+WEIGHTS = ("float", "int8", "int8-ffn", "q4", "q4-ffn")  # what ``pack --weights`` may write
+Q4_WEIGHTS = ("q4", "q4-ffn")  # 4-bit neuron records
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja", "generation_config.json",
                    "vocab.json", "merges.txt")
@@ -70,28 +76,51 @@ class Manifest:
 
     @property
     def int8_ffn(self) -> bool:
+        """The neuron records are int8 rows."""
+        return self.weights in ("int8", "int8-ffn")
+
+    @property
+    def q4_ffn(self) -> bool:
+        """The neuron records are 4-bit rows (:func:`q4_records`)."""
+        return self.weights in Q4_WEIGHTS
+
+    @property
+    def quantized_ffn(self) -> bool:
         return self.weights != "float"
 
     @property
     def int8_other(self) -> bool:
-        """Attention projections and output layer / embedding are int8 too."""
-        return self.weights == "int8"
+        """Attention projections and output layer / embedding are quantized too (int8, or
+        4-bit for ``q4``)."""
+        return self.weights in ("int8", "q4", "q4-ffn")
 
     @property
     def record_bytes(self) -> int:
-        """Bytes of one neuron record (gate row + up row + down column, and int8 scales)."""
+        """Bytes of one neuron record (gate row + up row + down column, and their scales)."""
+        if self.q4_ffn:
+            return q4_record_bytes(self.hidden_size)
         if self.int8_ffn:
             return 3 * self.hidden_size + 3 * 4
         return 3 * self.hidden_size * self.dtype.itemsize
 
     def decode_records(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Neuron records from their bytes ``raw`` (uint8 ``[n, record_bytes]``): values
-        ``[n, 3, H]`` (int8, or the packed float dtype) and int8 scales ``[n, 3]`` (else None)."""
+        ``[n, 3, H]`` (int8, or the packed float dtype) and int8 scales ``[n, 3]`` (else None).
+        4-bit records stay as they are (``raw``, None): their slots hold the records whole."""
         n, H = raw.shape[0], self.hidden_size
+        if self.q4_ffn:
+            return raw, None
         if not self.int8_ffn:
             return raw.view(self.dtype).view(n, 3, H), None
         vals = raw[:, :3 * H].view(torch.int8).view(n, 3, H)
         return vals, raw[:, 3 * H:].contiguous().view(torch.float32).view(n, 3)
+
+    def dequantize_records(self, raw: torch.Tensor) -> torch.Tensor:
+        """The float32 rows ``[n, 3, H]`` (gate, up, down column) of records ``raw``."""
+        if self.q4_ffn:
+            return q4_record_rows(raw, self.hidden_size)
+        vals, scales = self.decode_records(raw)
+        return vals.float() * scales[..., None] if scales is not None else vals.float()
 
     @property
     def ffn_bytes(self) -> int:
@@ -211,7 +240,7 @@ def check_ffn_file(m: Manifest) -> dict:
     if meta.get("fingerprint") != m.fingerprint:
         raise FormatError(f"{path}: fingerprint {meta.get('fingerprint')!r} does not match "
                           f"manifest {m.fingerprint!r} (file from another model)")
-    want, want_dtype = ((m.intermediate_size, m.record_bytes), torch.uint8) if m.int8_ffn else (
+    want, want_dtype = ((m.intermediate_size, m.record_bytes), torch.uint8) if m.quantized_ffn else (
         (m.intermediate_size, 3, m.hidden_size), m.dtype)
     for layer in range(m.num_layers):
         info = tensors.get(neuron_key(layer))
@@ -250,11 +279,47 @@ def int8_records(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> to
                      dim=1)
 
 
+def q4_record_bytes(hidden: int) -> int:
+    """Bytes of a 4-bit neuron record: three rows of ``H / 2`` nibble bytes and ``H / 32``
+    float16 scales."""
+    return 3 * (hidden // 2 + hidden // 32 * 2)
+
+
+def q4_records(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Neuron records with 4-bit rows: uint8 ``[I, 27 * H / 16]`` from gate, up ``[I, H]`` and
+    down ``[H, I]``: the nibbles of gate row, up row and down column (blocks of 32 along H),
+    then their float16 block scales (layout of :func:`.q4.quantize`)."""
+    from .q4 import QK, quantize
+    I, H = gate.shape
+    if H % QK:
+        raise ValueError(f"4-bit neuron records need a hidden size that is a multiple of {QK}, "
+                         f"got {H}")
+    nib, d = quantize(torch.stack([gate, up, down.t()], dim=1).reshape(3 * I, H))
+    return torch.cat([nib.view(I, 3 * H // 2), d.view(torch.uint8).view(I, -1)], dim=1)
+
+
+def q4_record_rows(raw: torch.Tensor, hidden: int) -> torch.Tensor:
+    """The float32 rows ``[n, 3, H]`` (gate, up, down column) that 4-bit records ``raw`` hold."""
+    from .q4 import dequantize
+    n, H = raw.shape[0], hidden
+    nib = raw[:, :3 * H // 2].reshape(3 * n, H // 2)
+    d = raw[:, 3 * H // 2:].contiguous().view(torch.float16).reshape(3 * n, -1)
+    return dequantize(nib, d).view(n, 3, H)
+
+
+def is_q4_other(name: str, shape: tuple[int, ...], weights: str) -> bool:
+    """A non-FFN tensor that ``weights`` stores as 4-bit rows: with ``q4`` the ones
+    :func:`is_int8_other` names (``q4-ffn``: none; both keep rows whose length is not a multiple
+    of 32 in int8)."""
+    return weights == "q4" and is_int8_other(name, shape) and shape[1] % 32 == 0
+
+
 def pack(src: str | Path, out: str | Path, model_id: str | None = None,
          dtype: torch.dtype | None = None, weights: str = "float",
          log: Callable[[str], None] = print) -> Manifest:
     """Convert a Hugging Face checkpoint folder into a packed folder (layer by layer);
-    ``weights`` int8 / int8-ffn stores int8 rows with per-row scales (see the module doc)."""
+    ``weights`` int8 / int8-ffn stores int8 rows with per-row scales, q4 / q4-ffn 4-bit rows
+    (see the module doc)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     from transformers import AutoConfig
@@ -282,8 +347,12 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
     sums: dict[str, torch.Tensor] = {}
 
     meta = {"fingerprint": fp, "format": FORMAT, "version": str(FORMAT_VERSION)}
-    int8_ffn = weights != "float"
-    rec_spec = (torch.uint8, (I, 3 * H + 12)) if int8_ffn else (dtype, (I, 3, H))
+    int8_ffn, q4_ffn = weights in ("int8", "int8-ffn"), weights in Q4_WEIGHTS
+    if q4_ffn and H % 32:
+        raise ValueError(f"--weights {weights}: 4-bit records need a hidden size that is a "
+                         f"multiple of 32, {src} has {H}")
+    rec_spec = ((torch.uint8, (I, q4_record_bytes(H))) if q4_ffn else
+                (torch.uint8, (I, 3 * H + 12)) if int8_ffn else (dtype, (I, 3, H)))
     ffn = StreamWriter(tmp / FFN_FILE, {neuron_key(l): rec_spec for l in range(L)}, meta)
     for layer in progress(range(L), desc="pack FFN layers", total=L):
         gate = where[arch.ffn_key(layer, "gate")].get_tensor(arch.ffn_key(layer, "gate"))  # [I, H]
@@ -292,7 +361,9 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
         if gate.shape != (I, H) or up.shape != (I, H) or down.shape != (H, I):
             raise FormatError(f"{src}: layer {layer} FFN shapes {tuple(gate.shape)}, "
                               f"{tuple(up.shape)}, {tuple(down.shape)} do not match the config")
-        if int8_ffn:
+        if q4_ffn:
+            rec = q4_records(gate, up, down)
+        elif int8_ffn:
             rec = int8_records(gate, up, down)
         else:
             rec = torch.stack([gate, up, down.t()], dim=1).to(dtype).contiguous()  # [I, 3, H]
@@ -304,7 +375,10 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
     specs = {}
     for k in others:
         shape = tuple(where[k].get_slice(k).get_shape())
-        if weights == "int8" and is_int8_other(k, shape):
+        if is_q4_other(k, shape, weights):
+            specs[k] = (torch.uint8, (shape[0], shape[1] // 2))
+            specs[k.removesuffix(".weight") + ".scale"] = (torch.float16, (shape[0], shape[1] // 32))
+        elif weights in ("int8", "q4", "q4-ffn") and is_int8_other(k, shape):
             specs[k] = (torch.int8, shape)
             specs[k.removesuffix(".weight") + ".scale"] = (torch.float32, shape[:1])
         else:
@@ -312,7 +386,11 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
     w = StreamWriter(tmp / OTHER_FILE, specs, meta)
     for k in progress(others, desc="pack other tensors", total=len(others)):
         t = where[k].get_tensor(k)
-        if specs[k][0] == torch.int8:
+        if specs[k][0] == torch.uint8:
+            from .q4 import quantize
+            nib, d = quantize(t)
+            parts = {k: nib, k.removesuffix(".weight") + ".scale": d}
+        elif specs[k][0] == torch.int8:
             from .int8 import quantize_rows
             q, scale = quantize_rows(t)
             parts = {k: q, k.removesuffix(".weight") + ".scale": scale}

@@ -7,6 +7,9 @@ block's largest-magnitude weight over -8 (so that weight is exact). Byte ``j`` o
 
 The product runs in the C kernel (``si_linear_q4``: activations quantized per block of 32 to
 int8, integer block dot products with the CPU's instructions), else on the dequantized rows.
+4-bit neuron records (:func:`.pack.q4_records`) hold gate row, up row and down column as
+such rows; :func:`records_linear` and :func:`records_down` are their products (the decode
+step of a 4-bit model runs them inside the kernel's ``si_decode_layers``).
 """
 from __future__ import annotations
 
@@ -82,6 +85,67 @@ class Q4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.scale)
+
+
+class Q4Embedding(nn.Module):
+    """Token embedding over 4-bit rows (``weight`` uint8 ``[V, H / 2]``, ``scale`` float16
+    ``[V, H / 32]``); ``embed_scale`` multiplies it as Gemma's scaled embedding does. A tied
+    output layer shares the rows (:meth:`as_linear`)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
+                 embed_scale: float | None = None, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx, self.embed_scale = padding_idx, embed_scale
+        self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim // 2,
+                                                   dtype=torch.uint8, device=device))
+        self.register_buffer("scale", torch.empty(num_embeddings, embedding_dim // QK,
+                                                  dtype=torch.float16, device=device))
+        self.dtype = torch.float32
+
+    def as_linear(self) -> Q4Linear:
+        head = Q4Linear(0, self.embedding_dim, self.weight.device)
+        head.out_features, head.weight, head.scale = self.num_embeddings, self.weight, self.scale
+        return head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [B, T] -> [B, T, H]
+        flat = ids.reshape(-1)
+        rows = dequantize(self.weight[flat], self.scale[flat]).to(self.dtype)
+        rows = rows.view(*ids.shape, self.embedding_dim)
+        return rows * self.embed_scale if self.embed_scale is not None else rows
+
+
+def records_linear(x: torch.Tensor, rec: torch.Tensor, hidden: int) -> torch.Tensor:
+    """The gate and up products of 4-bit neuron records (``rec`` uint8 ``[k, 27 * H / 16]``,
+    layout of :func:`.pack.q4_records`): ``x [..., H]`` -> ``[..., k, 2]`` (gate, up)."""
+    H, k = hidden, rec.shape[0]
+    nib, ds = rec[:, :3 * H // 2], rec[:, 3 * H // 2:]
+    out = []
+    for r in (0, 1):  # gate, up: row views into the records, read in place
+        d = ds[:, r * (H // 16):(r + 1) * (H // 16)].view(torch.float16)
+        out.append(linear(x, nib[:, r * (H // 2):(r + 1) * (H // 2)], d))
+    return torch.stack(out, dim=-1).view(*x.shape[:-1], k, 2)
+
+
+def records_down(a: torch.Tensor, rec: torch.Tensor, hidden: int) -> torch.Tensor:
+    """The down product of 4-bit neuron records: ``a [..., k]`` (the neurons' activations) ->
+    ``[..., H]`` = ``sum_n a[..., n] * down column n`` (``out += a_n * dequant(col_n)``)."""
+    H, k = hidden, rec.shape[0]
+    nib = rec[:, H:3 * H // 2]
+    d = rec[:, 3 * H // 2 + H // 8:].view(torch.float16)  # [k, H / 32]
+    kern = _kernel.kernel() if a.device.type == "cpu" else None
+    if kern is None or rec.stride(1) != 1:
+        return (a.float() @ dequantize(nib, d)).to(a.dtype)
+    a2 = a.reshape(-1, k)
+    if a2.dtype != torch.float32 or not a2.is_contiguous():
+        a2 = a2.float().contiguous()
+    y = torch.empty(a2.shape[0], H, dtype=torch.float32)
+    rc = kern.lib.si_axpy_q4(a2.data_ptr(), a2.shape[0], k, nib.data_ptr(), d.data_ptr(),
+                             nib.stride(0), d.stride(0), H, y.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"4-bit down product: hidden size {H} is not a multiple of {QK}")
+    y = y.view(*a.shape[:-1], H)
+    return y if a.dtype == torch.float32 else y.to(a.dtype)
 
 
 class CoarseFineLinear(nn.Module):

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..format.architectures import activation_name, architecture_for
 from ..format.int8 import Int8Embedding, Int8Linear, kernel_status
+from ..format.q4 import Q4Embedding, Q4Linear
 from ..options import SELECTIONS, check_ratios
 from ..format.pack import (FFN_FILE, OTHER_FILE, Manifest, check_ffn_file, checksum_error, neuron_key,
                    read_checksums, read_manifest, tensor_sum, word_sums)
@@ -54,22 +55,24 @@ def build_skeleton(path: Path, dtype: torch.dtype):
 
 def _int8_modules(model: nn.Module, tensors: dict, dtype: torch.dtype) -> None:
     """Swap the linear layers (and the token embedding) whose weights the packed file holds as
-    int8 for int8 modules; a tied output layer shares the embedding's int8 rows."""
+    int8 (4-bit: uint8 nibbles) for int8 (4-bit) modules; a tied output layer shares the
+    embedding's rows."""
     for name, info in tensors.items():
-        if info.dtype != torch.int8:
+        if info.dtype not in (torch.int8, torch.uint8) or not name.endswith(".weight"):
             continue
+        four = info.dtype == torch.uint8
         path = name.removesuffix(".weight")
         parent_name, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
-        n, k = info.shape
+        n, k = info.shape[0], info.shape[1] * (2 if four else 1)
         if isinstance(old, nn.Embedding):
             scale = getattr(old, "scalar_embed_scale", None)
-            emb = Int8Embedding(n, k, old.padding_idx, scale)
+            emb = (Q4Embedding if four else Int8Embedding)(n, k, old.padding_idx, scale)
             emb.dtype = dtype
             setattr(parent, attr, emb)
         else:
-            setattr(parent, attr, Int8Linear(n, k))
+            setattr(parent, attr, (Q4Linear if four else Int8Linear)(n, k))
 
 
 def _load_other(model: nn.Module, config, path: Path, dtype: torch.dtype,
@@ -94,13 +97,13 @@ def _load_other(model: nn.Module, config, path: Path, dtype: torch.dtype,
         t = reader.read_tensor(info)
         if name not in sums or not torch.equal(tensor_sum(t), sums[name]):
             raise checksum_error(path / OTHER_FILE, f"tensor {name}")
-        keep = info.dtype == torch.int8 or expected[name].dtype == torch.float32 and (
-            name.endswith(".scale") and info.dtype == torch.float32)
+        keep = info.dtype in (torch.int8, torch.uint8) or (
+            name.endswith(".scale") and expected[name].dtype == info.dtype)
         state[name] = t.to(device=device) if keep else t.to(device=device, dtype=dtype)
     missing = model.load_state_dict(state, strict=False, assign=True).missing_keys
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in tensors:
         emb = model.get_input_embeddings()
-        if isinstance(emb, Int8Embedding):
+        if isinstance(emb, (Int8Embedding, Q4Embedding)):
             model.lm_head = emb.as_linear()
             missing = [m for m in missing if m not in ("lm_head.weight", "lm_head.scale")]
         else:
@@ -236,10 +239,10 @@ class SelectiveModel:
             self.bytes_read += r.bytes_read
         self.model.eval()
         self.set_compute_ratio(compute_ratio)
-        if self.manifest.int8_ffn:  # compiles the kernel now (once per machine), not at a goal
+        if self.manifest.quantized_ffn:  # compiles the kernel now (once per machine), not at a goal
             how = (kernel_status() if self.device.type == "cpu"
                    else f"rows dequantized for float products on {self.device}")
-            log(f"[load] int8 weights: {how}")
+            log(f"[load] {'4-bit' if self.manifest.q4_ffn else 'int8'} weights: {how}")
         self.load_seconds = time.perf_counter() - t0
         log(f"[load] {self.manifest.model_id} task={self.task or '-'} gamma={load_ratio} "
             f"phi={compute_ratio}: {self.bytes_read / 2**20:.1f} MiB read in {self.load_seconds:.2f} s")
@@ -279,8 +282,9 @@ class SelectiveModel:
 
     # -- loading ---------------------------------------------------------------------------
     def _empty_slots(self, k: int) -> Slots:
-        return Slots.empty(k, self.manifest.hidden_size, self.dtype, self.manifest.int8_ffn,
-                           self.device)
+        m = self.manifest
+        return Slots.empty(k, m.hidden_size, self.dtype, m.int8_ffn, self.device,
+                           m.record_bytes if m.q4_ffn else 0)
 
     def _load_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor, n_static: int) -> int:
         """Fill layer ``layer`` with neurons ``ids`` (slot order) read from disk. Returns records read."""
@@ -394,7 +398,8 @@ class SelectiveModel:
     def weight_bytes(self) -> dict[str, int]:
         ffn = sum(m.weight_bytes() for m in self.mlps)
         seen, other = set(), 0
-        int8 = [t for mod in self.model.modules() if isinstance(mod, (Int8Linear, Int8Embedding))
+        int8 = [t for mod in self.model.modules()
+                if isinstance(mod, (Int8Linear, Int8Embedding, Q4Linear, Q4Embedding))
                 for t in mod.buffers()]
         for t in list(self.model.parameters()) + int8:
             if id(t) not in seen:
@@ -424,13 +429,13 @@ def other_bytes_estimate(m: Manifest, dtype: torch.dtype) -> int:
     """Resident bytes of the non-FFN tensors of a packed model in ``dtype`` (int8 rows and their
     scales as stored)."""
     tensors, _, _ = read_header(m.path / OTHER_FILE)
-    return sum(t.nbytes if t.dtype == torch.int8 or name.endswith(".scale") else
+    return sum(t.nbytes if t.dtype in (torch.int8, torch.uint8) or name.endswith(".scale") else
                t.nbytes // t.dtype.itemsize * dtype.itemsize for name, t in tensors.items())
 
 
 def neuron_bytes(m: Manifest, dtype: torch.dtype) -> int:
     """Resident bytes of one neuron of one layer (int8 rows and scales, or three rows in ``dtype``)."""
-    return m.record_bytes if m.int8_ffn else 3 * m.hidden_size * dtype.itemsize
+    return m.record_bytes if m.quantized_ffn else 3 * m.hidden_size * dtype.itemsize
 
 
 def load_ratio_for_budget(m: Manifest, dtype: torch.dtype, budget: int, dense_layers: int = 0) -> float:
@@ -475,10 +480,10 @@ def load_dense(packed_dir: str | Path, dtype: str | torch.dtype | None = None,
             if not torch.equal(word_sums(raw.view(torch.uint8).view(m.intermediate_size, -1)),
                                sums[neuron_key(layer)]):
                 raise checksum_error(path / FFN_FILE, f"layer {layer}")
-            vals, scales = m.decode_records(raw.view(torch.uint8).view(m.intermediate_size, -1))
-            rec = (vals.float() * scales[..., None] if scales is not None else vals).to(
-                device=dev, dtype=dt)  # [I, 3, H]
-            del raw, vals
+            raw = raw.view(torch.uint8).view(m.intermediate_size, -1)
+            rec = (m.dequantize_records(raw) if m.quantized_ffn else m.decode_records(raw)[0]
+                   ).to(device=dev, dtype=dt)  # [I, 3, H]
+            del raw
             block.mlp.gate_proj.weight = nn.Parameter(rec[:, 0].contiguous(), requires_grad=False)
             block.mlp.up_proj.weight = nn.Parameter(rec[:, 1].contiguous(), requires_grad=False)
             block.mlp.down_proj.weight = nn.Parameter(rec[:, 2].t().contiguous(), requires_grad=False)

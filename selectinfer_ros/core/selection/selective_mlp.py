@@ -8,7 +8,8 @@ Slots hold loaded neurons; ``slot_ids[s]`` is the original neuron id in slot s. 
 active neurons thus always sit in one contiguous prefix: gate/up rows ``gu[:n_active]`` and the
 first ``n_active`` entries of every down row, so a decode step reads exactly the active bytes.
 
-Slots hold float rows, or int8 rows with a float32 scale each (``int8`` packed models).
+Slots hold float rows, int8 rows with a float32 scale each (``int8`` packed models), or the
+4-bit neuron records whole (``q4`` packed models: ``rec[:n_active]`` is the active prefix).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ..format import int8
+from ..format import int8, q4
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -44,16 +45,21 @@ def copy_index(dst: torch.Tensor, dim: int, idx: torch.Tensor, src: torch.Tensor
 @dataclass
 class Slots:
     """Storage of ``k`` neuron slots: ``gu`` ``[k, 2, H]``, ``down`` ``[H, k]`` (float, or int8 with
-    ``gu_scale`` ``[k, 2]`` and ``down_scale`` ``[k]`` float32)."""
+    ``gu_scale`` ``[k, 2]`` and ``down_scale`` ``[k]`` float32), or 4-bit records ``rec`` uint8
+    ``[k, record_bytes]`` as stored (:func:`..format.pack.q4_records`; no ``gu``, ``down``)."""
 
-    gu: torch.Tensor
-    down: torch.Tensor
+    gu: torch.Tensor | None
+    down: torch.Tensor | None
     gu_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
+    rec: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, k: int, hidden: int, dtype: torch.dtype, quantized: bool,
-              device: torch.device | str) -> "Slots":
+              device: torch.device | str, record_bytes: int = 0) -> "Slots":
+        """``record_bytes`` > 0: slots of 4-bit records of that size."""
+        if record_bytes:
+            return cls(None, None, rec=torch.empty(k, record_bytes, dtype=torch.uint8, device=device))
         if not quantized:
             return cls(torch.empty(k, 2, hidden, dtype=dtype, device=device),
                        torch.empty(hidden, k, dtype=dtype, device=device))
@@ -67,8 +73,12 @@ class Slots:
         return self.gu_scale is not None
 
     def put(self, dst: torch.Tensor, vals: torch.Tensor, scales: torch.Tensor | None) -> None:
-        """Write neuron records (``vals`` ``[n, 3, H]``, ``scales`` ``[n, 3]``) into slots ``dst``."""
+        """Write neuron records (``vals`` ``[n, 3, H]``, ``scales`` ``[n, 3]``; 4-bit: the records
+        ``[n, record_bytes]``) into slots ``dst``."""
         every = torch.arange(vals.shape[0], device=vals.device)
+        if self.rec is not None:
+            copy_index(self.rec, 0, dst, vals.contiguous(), every)
+            return
         copy_index(self.gu, 0, dst, vals[:, :2].to(self.gu.dtype).contiguous(), every)
         copy_index(self.down, 1, dst, vals[:, 2].t().to(self.down.dtype).contiguous(), every)
         if self.quantized:
@@ -77,6 +87,9 @@ class Slots:
 
     def copy(self, dst: torch.Tensor, other: "Slots", src: torch.Tensor) -> None:
         """Slots ``dst`` of this storage take the contents of ``other``'s slots ``src``."""
+        if self.rec is not None:
+            copy_index(self.rec, 0, dst, other.rec, src)
+            return
         copy_index(self.gu, 0, dst, other.gu, src)
         copy_index(self.down, 1, dst, other.down, src)
         if self.quantized:
@@ -85,7 +98,7 @@ class Slots:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in
-                   (self.gu, self.down, self.gu_scale, self.down_scale) if t is not None)
+                   (self.gu, self.down, self.gu_scale, self.down_scale, self.rec) if t is not None)
 
 
 class SelectionState:
@@ -121,11 +134,12 @@ class SelectiveMLP(nn.Module):
         self.register_buffer("down", empty.down)  # [H, k]
         self.register_buffer("gu_scale", None)  # [k, 2] float32, int8 slots only
         self.register_buffer("down_scale", None)  # [k] float32, int8 slots only
+        self.register_buffer("rec", None)  # [k, record_bytes] uint8, 4-bit records only
         self.register_buffer("slot_ids", torch.empty(0, dtype=torch.long, device=device))  # [k]
 
     @property
     def slots(self) -> Slots:
-        return Slots(self.gu, self.down, self.gu_scale, self.down_scale)
+        return Slots(self.gu, self.down, self.gu_scale, self.down_scale, self.rec)
 
     @property
     def n_loaded(self) -> int:
@@ -135,6 +149,7 @@ class SelectiveMLP(nn.Module):
         """Install loaded neurons (``slots`` of ``k`` neurons, their ids ``[k]``)."""
         self.gu, self.down = slots.gu, slots.down
         self.gu_scale, self.down_scale = slots.gu_scale, slots.down_scale
+        self.rec = slots.rec
         self.slot_ids = slot_ids
         self.n_static = n_static
         self.n_active = slot_ids.numel()
@@ -145,17 +160,22 @@ class SelectiveMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, H]
         k = self.n_loaded if self.state.prefill else self.n_active
-        gu = self.gu[:k].view(2 * k, self.hidden)
-        if self.gu_scale is not None:  # int8 slots
-            out = int8.linear(x, gu, self.gu_scale[:k].view(2 * k))  # [B, T, 2k]
+        if self.rec is not None:  # 4-bit records: the active prefix, read in place
+            out = q4.records_linear(x, self.rec[:k], self.hidden)  # [B, T, k, 2]
+            h = self.act_fn(out[..., 0].contiguous()) * out[..., 1]  # [B, T, k]
+            y = q4.records_down(h, self.rec[:k], self.hidden).to(x.dtype)  # [B, T, H]
         else:
-            out = nn.functional.linear(x, gu)  # [B, T, 2k]
-        out = out.view(*x.shape[:-1], k, 2)
-        h = self.act_fn(out[..., 0].contiguous()) * out[..., 1]  # [B, T, k]; strided GELU: 6x slower
-        if self.down_scale is not None:  # the down column scales fold into the activations
-            y = int8.linear(h * self.down_scale[:k].to(h.dtype), self.down[:, :k], None)  # [B, T, H]
-        else:
-            y = nn.functional.linear(h, self.down[:, :k])  # [B, T, H]
+            gu = self.gu[:k].view(2 * k, self.hidden)
+            if self.gu_scale is not None:  # int8 slots
+                out = int8.linear(x, gu, self.gu_scale[:k].view(2 * k))  # [B, T, 2k]
+            else:
+                out = nn.functional.linear(x, gu)  # [B, T, 2k]
+            out = out.view(*x.shape[:-1], k, 2)
+            h = self.act_fn(out[..., 0].contiguous()) * out[..., 1]  # [B, T, k]; strided GELU: 6x slower
+            if self.down_scale is not None:  # the down column scales fold into the activations
+                y = int8.linear(h * self.down_scale[:k].to(h.dtype), self.down[:, :k], None)  # [B, T, H]
+            else:
+                y = nn.functional.linear(h, self.down[:, :k])  # [B, T, H]
         if self.state.prefill and self.n_active < self.n_loaded:
             t0 = time.perf_counter()
             self._select(h)
@@ -210,3 +230,7 @@ class SelectiveMLP(nn.Module):
 
     def weight_bytes(self) -> int:
         return self.slots.nbytes()
+
+    def neuron_bytes(self) -> int:
+        """Resident bytes of one loaded neuron (its rows and scales)."""
+        return self.weight_bytes() // max(1, self.n_loaded)

@@ -39,7 +39,7 @@ static void print(const char *what, int64_t a, int64_t b, const float *y, int64_
 }
 
 static si_mat mat(int64_t n, int64_t k) {
-    si_mat m = {qrows(n * k), frand(n, 0.001f, 0.02f), n, k, k};
+    si_mat m = {qrows(n * k), frand(n, 0.001f, 0.02f), n, k, k, NULL, 0};
     return m;
 }
 

@@ -39,7 +39,7 @@
 #endif
 
 #ifndef SI_ABI_VERSION
-#define SI_ABI_VERSION 4
+#define SI_ABI_VERSION 5
 #endif
 
 #if defined(SI_PLAIN)
@@ -83,9 +83,10 @@
 #define PF 1024 /* bytes ahead of each weight row's read: the rows are short streams */
 #endif
 
-/* x [K] blocks [b0, b1) -> xq (zero padded to whole blocks), xd block scales. */
+/* x [K] blocks [b0, b1) -> xq (zero padded to whole blocks), xd block scales, xs (NULL: not
+   wanted) the blocks' sums of xq (the 4-bit products take 8 * xs off, see q4_row). */
 static void quantize_blocks(const float *x, int64_t K, int64_t b0, int64_t b1, int8_t *xq,
-                            float *xd) {
+                            float *xd, int32_t *xs) {
     for (int64_t b = b0; b < b1; b++) {
         int64_t lo = b * QK, hi = lo + QK < K ? lo + QK : K;
         float amax = 0.0f;
@@ -95,14 +96,18 @@ static void quantize_blocks(const float *x, int64_t K, int64_t b0, int64_t b1, i
         }
         float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         xd[b] = d;
-        for (int64_t k = lo; k < lo + QK; k++)
+        int32_t sum = 0;
+        for (int64_t k = lo; k < lo + QK; k++) {
             xq[k] = k < hi ? (int8_t)lrintf(x[k] * id) : 0;
+            sum += xq[k];
+        }
+        if (xs) xs[b] = sum;
     }
 }
 
 /* x [K] -> xq [nb * QK] int8 (zero padded), xd [nb] block scales; nb = ceil(K / QK). */
 static void quantize_row(const float *x, int64_t K, int8_t *xq, float *xd) {
-    quantize_blocks(x, K, 0, (K + QK - 1) / QK, xq, xd);
+    quantize_blocks(x, K, 0, (K + QK - 1) / QK, xq, xd, NULL);
 }
 
 /* dot1(w, ldw, nfull, xq, xd, out): *out = sum over the nfull full blocks b of
@@ -397,12 +402,8 @@ int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const u
         free(xd);
         return -1;
     }
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * nb * QK, xd + m * nb);
-    for (int64_t i = 0; i < M * nb; i++) { /* each of 8 int32 lanes carries 8 / 8 of the sum */
-        int32_t sum = 0;
-        for (int k = 0; k < QK; k++) sum += xq[i * QK + k];
-        xs[i] = sum;
-    }
+    for (int64_t m = 0; m < M; m++)
+        quantize_blocks(x + m * K, K, 0, nb, xq + m * nb * QK, xd + m * nb, xs + m * nb);
     threads = clamp_threads(threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -419,6 +420,99 @@ int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const u
     return 0;
 }
 
+/* The transposed product over 4-bit rows: y [H] = sum_{n < k} a[n] * dequant(row n), rows
+   as above (w at stride ldw bytes, d at stride ldd float16s), for the blocks [b0, b1) of H
+   (y's other blocks untouched). A 4-bit neuron record's down column is such a row: the down
+   product of the active prefix reads each active record's column once, in place. In float
+   (the coefficients a[n] * d[n, b] differ per neuron and block), four neurons per pass over
+   a block; every path sums over n in the same order. */
+static void axpy_q4_part(const float *a, int64_t k, const uint8_t *w, const uint16_t *d,
+                         int64_t ldw, int64_t ldd, float *y, int64_t b0, int64_t b1) {
+    for (int64_t i = b0 * QK; i < b1 * QK; i++) y[i] = 0.0f;
+#if defined(SI_AVX2) || defined(SI_AVX512)
+    const __m128i low = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    for (int64_t n0 = 0; n0 < k; n0 += 4) {
+        int64_t g = k - n0 < 4 ? k - n0 : 4;
+        for (int64_t b = b0; b < b1; b++) {
+            float *yb = y + b * QK;
+            __m256 acc0 = _mm256_loadu_ps(yb), acc1 = _mm256_loadu_ps(yb + 8);
+            __m256 acc2 = _mm256_loadu_ps(yb + 16), acc3 = _mm256_loadu_ps(yb + 24);
+            for (int64_t n = n0; n < n0 + g; n++) {
+                const uint8_t *wn = w + n * ldw + b * 16;
+                _mm_prefetch((const char *)(wn + PF), _MM_HINT_T0);
+                __m256 c = _mm256_set1_ps(a[n] * _cvtsh_ss(d[n * ldd + b]));
+                __m128i raw = _mm_loadu_si128((const __m128i *)wn);
+                __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, low), eight);
+                __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), low), eight);
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), c, acc0);
+                acc1 = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), c, acc1);
+                acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), c, acc2);
+                acc3 = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), c, acc3);
+            }
+            _mm256_storeu_ps(yb, acc0);
+            _mm256_storeu_ps(yb + 8, acc1);
+            _mm256_storeu_ps(yb + 16, acc2);
+            _mm256_storeu_ps(yb + 24, acc3);
+        }
+    }
+#elif defined(SI_NEON_DOT)
+    const uint8x16_t low = vdupq_n_u8(0x0F);
+    const int8x16_t eight = vdupq_n_s8(8);
+    for (int64_t n0 = 0; n0 < k; n0 += 4) {
+        int64_t g = k - n0 < 4 ? k - n0 : 4;
+        for (int64_t b = b0; b < b1; b++) {
+            float *yb = y + b * QK;
+            float32x4_t acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = vld1q_f32(yb + 4 * i);
+            for (int64_t n = n0; n < n0 + g; n++) {
+                const uint8_t *wn = w + n * ldw + b * 16;
+                __builtin_prefetch(wn + PF);
+                float c = a[n] * half_to_float(d[n * ldd + b]);
+                uint8x16_t raw = vld1q_u8(wn);
+                int8x16_t q[2] = {vsubq_s8(vreinterpretq_s8_u8(vandq_u8(raw, low)), eight),
+                                  vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(raw, 4)), eight)};
+                for (int h = 0; h < 2; h++) {
+                    int16x8_t q0 = vmovl_s8(vget_low_s8(q[h])), q1 = vmovl_s8(vget_high_s8(q[h]));
+                    int32x4_t v[4] = {vmovl_s16(vget_low_s16(q0)), vmovl_s16(vget_high_s16(q0)),
+                                      vmovl_s16(vget_low_s16(q1)), vmovl_s16(vget_high_s16(q1))};
+                    for (int i = 0; i < 4; i++)
+                        acc[4 * h + i] = vfmaq_n_f32(acc[4 * h + i], vcvtq_f32_s32(v[i]), c);
+                }
+            }
+            for (int i = 0; i < 8; i++) vst1q_f32(yb + 4 * i, acc[i]);
+        }
+    }
+#else
+    for (int64_t n = 0; n < k; n++) {
+        for (int64_t b = b0; b < b1; b++) {
+            const uint8_t *wn = w + n * ldw + b * 16;
+            float c = a[n] * half_to_float(d[n * ldd + b]), *yb = y + b * QK;
+            for (int j = 0; j < 16; j++) {
+                yb[j] += c * (float)((int32_t)(wn[j] & 15) - 8);
+                yb[j + 16] += c * (float)((int32_t)(wn[j] >> 4) - 8);
+            }
+        }
+    }
+#endif
+}
+
+/* y [M, H] = a [M, k] . W, W: k 4-bit rows of H (the down columns of 4-bit neuron records);
+   threads split the blocks of H. */
+int si_axpy_q4(const float *a, int64_t M, int64_t k, const uint8_t *w, const uint16_t *d,
+               int64_t ldw, int64_t ldd, int64_t H, float *y, int threads) {
+    if (H % QK) return -2;
+    threads = clamp_threads(threads);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t b0, b1;
+        share(H / QK, team_id(), team_size(), &b0, &b1);
+        for (int64_t m = 0; m < M; m++) axpy_q4_part(a + m * k, k, w, d, ldw, ldd, y + m * H, b0, b1);
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------------------------------
    One decode step of a whole int8 model, for one token (batch 1), in float32 activations.
 
@@ -428,6 +522,8 @@ int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const u
    o = Wo att; x += post_norm(o) (post norm Gemma 3 only). Then h = norm(x); the active
    prefix of the neuron slots: gate/up rows (interleaved, [k, 2, H]), a = act(gate) * up *
    down_scale, y = Down[:, :n_active] a; x += post_norm(y).
+   A 4-bit model (pack --weights q4): the projections may be 4-bit rows (si_mat.d) and the
+   neuron slots 4-bit records (si_layer.rec, mlp_step_q4); the steps are the same.
 
    Norms: out = x / sqrt(mean(x^2) + eps) * w, with w the effective float32 weight (Gemma 3:
    1 + weight, computed by the caller). Rotary: out = x * cos + roll(x, hd / 2) * sin, with
@@ -439,9 +535,11 @@ int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const u
    member. Members meet at a barrier where one's output is another's input.
 */
 typedef struct {
-    const int8_t *w;
-    const float *scale; /* [n] */
+    const int8_t *w;    /* int8 rows, or 4-bit rows (nibbles, ldw bytes apart) where d is set */
+    const float *scale; /* [n]; int8 rows only */
     int64_t n, k, ldw;
+    const uint16_t *d; /* 4-bit rows: float16 block scales [n, k / 32] at row stride ldd */
+    int64_t ldd;
 } si_mat;
 
 typedef struct {
@@ -456,6 +554,11 @@ typedef struct {
     const int8_t *down;       /* [H, >= n_active] at row stride down_ld */
     const float *down_scale;  /* [>= n_active] */
     int64_t down_ld, n_active;
+    /* 4-bit neuron records instead of gu/down (NULL: int8 slots): [n_loaded] records of
+       rec_ld bytes, each gate, up nibbles and down column nibbles (H / 2 bytes each), then
+       their float16 block scales (H / 32 each); the active prefix is read in place */
+    const uint8_t *rec;
+    int64_t rec_ld;
 } si_layer;
 
 typedef struct {
@@ -465,10 +568,11 @@ typedef struct {
     int64_t teams; /* most threads the scratch has room for (scores rows) */
     /* scratch, float32 unless noted: h [max_k], q [n_heads*hd], kv [2*n_kv*hd],
        att [n_heads*hd], scores [teams*cap], gu [2*max_k], a [max_k],
-       xq int8 [max_k + QK], xd [max_k/QK + 1] */
+       xq int8 [max_k + QK], xd [max_k/QK + 1], xs int32 [max_k/QK + 1] */
     float *h, *q, *kv, *att, *scores, *gu, *a;
     int8_t *xq;
     float *xd;
+    int32_t *xs;
 } si_model;
 
 int si_abi(int64_t *sizes, int n) {
@@ -508,6 +612,12 @@ static void gemv_part(const si_mat *mt, const si_model *m, const float *x, float
                       int nt) {
     int64_t n0, n1;
     share(mt->n, t, nt, &n0, &n1);
+    if (mt->d) {
+        const uint8_t *w = (const uint8_t *)mt->w;
+        for (int64_t n = n0; n < n1; n++)
+            q4_row(w + n * mt->ldw, mt->d + n * mt->ldd, mt->k / QK, m->xq, m->xd, m->xs, y + n);
+        return;
+    }
     rows_q(mt->w, mt->ldw, mt->k, mt->scale, m->xq, m->xd, x, y, n0, n1);
 }
 
@@ -515,7 +625,7 @@ static void gemv_part(const si_mat *mt, const si_model *m, const float *x, float
 static void quantize_part(const si_model *m, const float *x, int64_t K, int t, int nt) {
     int64_t b0, b1;
     share((K + QK - 1) / QK, t, nt, &b0, &b1);
-    quantize_blocks(x, K, b0, b1, m->xq, m->xd);
+    quantize_blocks(x, K, b0, b1, m->xq, m->xd, m->xs);
 }
 
 static void barrier(void) {
@@ -613,7 +723,7 @@ static void mlp_step(const si_model *m, const si_layer *L, float *x, int t, int 
     barrier();
     quantize_part(m, h, H, t, nt);
     barrier();
-    si_mat gum = {L->gu, L->gu_scale, 2 * k, H, H};
+    si_mat gum = {L->gu, L->gu_scale, 2 * k, H, H, NULL, 0};
     gemv_part(&gum, m, h, gu, t, nt);
     barrier();
     /* activations and their quantization, block by block: a member's blocks are its own */
@@ -621,10 +731,42 @@ static void mlp_step(const si_model *m, const si_layer *L, float *x, int t, int 
     share((k + QK - 1) / QK, t, nt, &b0, &b1);
     for (int64_t n = b0 * QK; n < b1 * QK && n < k; n++)
         a[n] = act(gu[2 * n], m->act) * gu[2 * n + 1] * L->down_scale[n];
-    quantize_blocks(a, k, b0, b1, m->xq, m->xd);
+    quantize_blocks(a, k, b0, b1, m->xq, m->xd, m->xs);
     barrier();
-    si_mat dm = {L->down, NULL, H, k, L->down_ld};
+    si_mat dm = {L->down, NULL, H, k, L->down_ld, NULL, 0};
     gemv_part(&dm, m, a, h, t, nt);
+    barrier();
+    if (t == 0) {
+        if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, H, m->eps, h);
+        for (int64_t i = 0; i < H; i++) x[i] += h[i];
+    }
+    barrier();
+}
+
+/* The MLP over 4-bit records: gate and up rows of the active records (split by neuron), a =
+   act(gate) * up, then the down columns of the same records (split by blocks of H). */
+static void mlp_step_q4(const si_model *m, const si_layer *L, float *x, int t, int nt) {
+    int64_t H = m->hidden, k = L->n_active, nb = H / QK, R = L->rec_ld;
+    float *h = m->h, *a = m->a;
+    if (t == 0) rms_norm(x, L->pre_mlp_norm, H, m->eps, h);
+    barrier();
+    quantize_part(m, h, H, t, nt);
+    barrier();
+    int64_t n0, n1;
+    share(k, t, nt, &n0, &n1);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *r = L->rec + n * R;
+        const uint16_t *d = (const uint16_t *)(r + 3 * H / 2);
+        float g, u;
+        q4_row(r, d, nb, m->xq, m->xd, m->xs, &g);
+        q4_row(r + H / 2, d + nb, nb, m->xq, m->xd, m->xs, &u);
+        a[n] = act(g, m->act) * u;
+    }
+    barrier();
+    int64_t b0, b1;
+    share(nb, t, nt, &b0, &b1);
+    axpy_q4_part(a, k, L->rec + H, (const uint16_t *)(L->rec + 3 * H / 2) + 2 * nb, R, R / 2, h,
+                 b0, b1);
     barrier();
     if (t == 0) {
         if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, H, m->eps, h);
@@ -654,7 +796,10 @@ int si_decode_layers(const si_model *m, const si_layer *layers, int64_t n_layers
             double t0 = timing && t == 0 ? now() : 0.0;
             attention_step(m, &layers[l], x, pos, t, nt);
             double t1 = timing && t == 0 ? now() : 0.0;
-            mlp_step(m, &layers[l], x, t, nt);
+            if (layers[l].rec)
+                mlp_step_q4(m, &layers[l], x, t, nt);
+            else
+                mlp_step(m, &layers[l], x, t, nt);
             if (timing && t == 0) {
                 timing[0] += t1 - t0;
                 timing[1] += now() - t1;
