@@ -84,7 +84,7 @@ def bytes_per_decode_token(model: nn.Module, selective: SelectiveModel | None) -
         total -= emb.numel() * emb.element_size()
     if selective is not None:
         for m in selective.mlps:
-            total -= (m.n_loaded - m.n_active) * 3 * m.hidden * m.gu.element_size()
+            total -= (m.n_loaded - m.n_active) * m.neuron_bytes()
     return total
 
 
@@ -161,7 +161,7 @@ def build_subjects(args, model_path: Path, profiles: Path | None, log) -> list[S
         subjects.append(hf)
     by_gamma: dict[tuple[str, float], SelectiveModel] = {}
     for weights in args.weights:
-        path = model_path if weights == "float" else int8_pack_of(model_path, log)
+        path = model_path if weights == "float" else int8_pack_of(model_path, log, weights)
         for gamma, phi in grid:
             tag = "" if weights == "float" else f" {weights}"
             s = Subject(f"selectinfer{tag} {gamma:g}/{phi:g}", "selectinfer", gamma, phi,
@@ -289,10 +289,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     rows += [p.row(manifest.model_id, rows[0]["decode_tokens_per_second"], dense.weight_bytes, bw,
                    threads) for p in peers]
     q8 = next((r for r in rows if r["name"] == "llama.cpp Q8_0"), None)
+    q4 = next((r for r in rows if r["name"] == "llama.cpp Q4_K_M"), None)
     for row in rows:
         row["memory_bandwidth_bytes_per_second"] = bw
         if q8 is not None:
             row["vs_llama_cpp_q8_0"] = row["decode_tokens_per_second"] / q8["decode_tokens_per_second"]
+        if q4 is not None:
+            row["vs_llama_cpp_q4_k_m"] = row["decode_tokens_per_second"] / q4["decode_tokens_per_second"]
     return rows
 
 
@@ -327,22 +330,22 @@ def row_of(s: Subject, dense: Subject, model_id: str, bw: float, args, threads: 
     return row
 
 
-def int8_pack_of(packed: Path, log) -> Path:
-    """The int8 pack (``pack --weights int8``) of a float packed model, made once beside it from
-    the checkpoint it was packed from."""
+def int8_pack_of(packed: Path, log, weights: str = "int8") -> Path:
+    """The int8 (or ``weights``: q4) pack (``pack --weights int8``) of a float packed model, made
+    once beside it from the checkpoint it was packed from."""
     from ..core.format.filelock import exclusive_lock
     from ..core.format.pack import is_packed, pack
-    target = packed.with_name(packed.name + "-int8")
-    with exclusive_lock(packed.parent / ".int8.lock", log, "the int8 pack"):
+    target = packed.with_name(f"{packed.name}-{weights}")
+    with exclusive_lock(packed.parent / f".{weights}.lock", log, f"the {weights} pack"):
         if is_packed(target):
             return target
         src = Path(json.loads((packed / "manifest.json").read_text()).get("source", ""))
         if not (src / "config.json").exists():
-            raise FileNotFoundError(f"{packed}: its checkpoint {src} is gone; make the int8 pack "
-                                    f"with `selectinfer pack HF_DIR {target} --weights int8`")
+            raise FileNotFoundError(f"{packed}: its checkpoint {src} is gone; make the {weights} "
+                                    f"pack with `selectinfer pack HF_DIR {target} --weights {weights}`")
         m = read_manifest(packed)
-        log(f"[bench] packing int8 weights of {m.model_id} (once) -> {target}")
-        pack(src, target, model_id=m.model_id, dtype=m.dtype, weights="int8", log=log)
+        log(f"[bench] packing {weights} weights of {m.model_id} (once) -> {target}")
+        pack(src, target, model_id=m.model_id, dtype=m.dtype, weights=weights, log=log)
     return target
 
 
@@ -368,14 +371,16 @@ def resolve_model(args, log, llama_dir: Path | None = None) -> tuple[Path, Path 
             pack(root / "hf", packed, model_id=model_id, log=log)
         # The checkpoint goes once the packs are made: a later run that needs another pack
         # (int8 after a float-only run, GGUF after a run without llama.cpp) writes it again.
-        need_int8 = "int8" in args.weights and not is_packed(packed.with_name(packed.name + "-int8"))
+        need_int8 = any(w != "float" and not is_packed(packed.with_name(f"{packed.name}-{w}"))
+                        for w in args.weights)
         need_gguf = llama_dir is not None and not llama_cpp.gguf_path(model_id, "F16").exists()
         if (need_int8 or need_gguf) and not (root / "hf" / "config.json").exists():
             log(f"[bench] rewriting the random-weight {args.preset} checkpoint for the "
-                f"{' and '.join(w for w, n in (('int8 pack', need_int8), ('GGUF', need_gguf)) if n)} ...")
+                f"{' and '.join(w for w, n in (('quantized pack', need_int8), ('GGUF', need_gguf)) if n)} ...")
             write_checkpoint()
-        if "int8" in args.weights:  # made from the checkpoint, which then goes
-            int8_pack_of(packed, log)
+        for w in args.weights:  # the quantized packs: made from the checkpoint, which then goes
+            if w != "float":
+                int8_pack_of(packed, log, w)
         if need_gguf:
             try:
                 llama_cpp.convert_random(llama_dir, root / "hf", model_id, log)
@@ -414,10 +419,10 @@ def _cell(r: dict, key: str, fmt: str, width: int, scale: float = 1.0) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    q8 = "vs_llama_cpp_q8_0" in rows[0]
+    q8, q4 = "vs_llama_cpp_q8_0" in rows[0], "vs_llama_cpp_q4_k_m" in rows[0]
     hdr = (f"{'configuration':<24}{'decode tok/s':>13}{'x dense':>8}{'of ceil':>8}{'prefill t/s':>12}"
            f"{'TTFT s':>8}{'weights MiB':>12}{'x dense':>8}{'read MiB':>10}{'load s':>8}{'ffn/attn/out':>15}"
-           + (f"{'x llama Q8':>11}" if q8 else ""))
+           + (f"{'x llama Q8':>11}" if q8 else "") + (f"{'x llama Q4':>11}" if q4 else ""))
     print(hdr)
     for r in rows:
         shares = (f"{r.get('share_ffn', 0):.2f}/{r.get('share_attention', 0):.2f}/"
@@ -427,15 +432,16 @@ def print_table(rows: list[dict]) -> None:
               f"{_cell(r, 'time_to_first_token', '.3f', 8)}{r['weight_bytes'] / 2**20:>12.1f}"
               f"{r.get('weight_ratio', 0):>8.2f}{_cell(r, 'bytes_read', '.1f', 10, 2**20)}"
               f"{_cell(r, 'load_seconds', '.2f', 8)}{shares:>15}"
-              + (_cell(r, "vs_llama_cpp_q8_0", ".2f", 11) if q8 else ""))
+              + (_cell(r, "vs_llama_cpp_q8_0", ".2f", 11) if q8 else "")
+              + (_cell(r, "vs_llama_cpp_q4_k_m", ".2f", 11) if q4 else ""))
     bw = rows[0].get("memory_bandwidth_bytes_per_second")
     if bw:
         print(f"memory bandwidth (measured read): {bw / 1e9:.1f} GB/s; 'of ceil' = decode tok/s over "
               f"bandwidth / bytes read per decode token")
     if any(r["method"] == "llama.cpp" for r in rows):
         print("llama.cpp rows: one `llama-bench -r 1` per repeat, interleaved with ours (its decode test "
-              "starts from an empty context); weights = GGUF file; 'x llama Q8' = decode tok/s over "
-              "llama.cpp Q8_0's")
+              "starts from an empty context); weights = GGUF file; 'x llama Q8' / 'x llama Q4' = decode "
+              "tok/s over llama.cpp Q8_0's / Q4_K_M's")
     sel = [r for r in rows if "selection_share_of_prefill" in r]
     for r in sel:
         print(f"{r['name']}: selection {r['selection_seconds'] * 1000:.1f} ms = "
@@ -445,7 +451,7 @@ def print_table(rows: list[dict]) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .plots import tradeoff_plot
     if args.weights is None:
-        args.weights = ["float"] if args.quick else ["float", "int8"]
+        args.weights = ["float"] if args.quick else ["float", "int8", "q4"]
     if args.quick:
         args.repeats = min(args.repeats, 2)
         args.new_tokens = min(args.new_tokens, 8)

@@ -53,9 +53,9 @@ def register(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens decoded (default 32)")
     p.add_argument("--grid", nargs="+", metavar="G,P",
                    help=f"{GRID_HELP} (default 1,1 0.9,0.7 0.7,0.7 0.7,0.5 0.5,0.35)")
-    p.add_argument("--weights", nargs="+", choices=["float", "int8"], default=None,
-                   help="SelectInfer rows over float and/or int8 neuron records (default: both; "
-                        "--quick: float)")
+    p.add_argument("--weights", nargs="+", choices=["float", "int8", "q4"], default=None,
+                   help="SelectInfer rows over float, int8 and/or 4-bit (q4) neuron records "
+                        "(default: all three; --quick: float)")
     p.add_argument("--no-quant", action="store_true", help="skip torch int8/int4 weight-only")
     p.add_argument("--llama-cpp", help="llama.cpp build folder with llama-bench and llama-quantize, "
                    "or `auto`: the build of scripts/build_llama_cpp.sh; adds Q8_0, F16 and Q4_K_M "
@@ -68,6 +68,8 @@ def register(sub) -> None:
     p = sub.add_parser("eval", help="accuracy against dense on held-out sets, with ablations")
     _model(p)
     p.add_argument("--data", help="folder of eval JSONL files (default: the shipped eval sets)")
+    p.add_argument("--dense-model", help="packed model whose dense run is the reference (e.g. the "
+                   "float pack when --model is a quantized one; default: --model)")
     p.add_argument("--limit", type=int, default=20, help="items per task (default 20)")
     p.add_argument("--grid", nargs="+", metavar="G,P",
                    help=f"{GRID_HELP} (default 0.9,0.7 0.7,0.7 0.7,0.5 0.5,0.35)")

@@ -247,8 +247,8 @@ def run_configs(args, model_path, manifest, tok, profiles, data_dir, configs, li
     models: dict[tuple, SelectiveModel] = {}
     for cfg in configs:
         t0 = time.perf_counter()
-        if cfg.method == "dense":
-            model, _ = load_dense(model_path, args.dtype)
+        if cfg.method == "dense":  # the reference: this pack's dense model, or --dense-model's
+            model, _ = load_dense(getattr(args, "dense_model", None) or model_path, args.dtype)
             engine = Engine(model, tok)
             metrics = ev.run(engine)
             weight = sum(p.numel() * p.element_size() for p in model.parameters())

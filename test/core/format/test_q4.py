@@ -86,3 +86,107 @@ def test_coarse_fine_output_layer_is_exact_on_its_candidates():
         assert int(got[r, 0].argmax()) == int(want[r, 0].argmax())
     every = q4.CoarseFineLinear(exact, candidates=500)
     assert torch.equal(every(x), want)
+
+
+# -- 4-bit neuron records (pack --weights q4) ----------------------------------------------
+def test_down_product_equals_the_float_product_of_the_dequantized_columns():
+    """The down columns of 4-bit records: ``out += a_n * dequant(col_n)`` in float, so equal to
+    a float64 reference to float rounding (no activation quantization here), on 1 and 2
+    threads, from a prefix of the records read in place."""
+    from selectinfer_ros.core.format.pack import q4_record_rows, q4_records
+    g = torch.Generator().manual_seed(5)
+    H, I = 96, 70
+    rec = q4_records(torch.randn(I, H, generator=g), torch.randn(I, H, generator=g),
+                     torch.randn(H, I, generator=g))
+    assert rec.shape == (I, 27 * H // 16)
+    rows = q4_record_rows(rec, H)  # [I, 3, H]
+    a = torch.randn(3, 50, generator=g)
+    want = a.double() @ rows[:50, 2].double()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        got = q4.records_down(a, rec[:50], H)
+        assert torch.allclose(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    torch.set_num_threads(1)
+    assert q4.records_linear(torch.randn(3, 1, H, generator=g), rec[:50], H).shape == (3, 1, 50, 2)
+    x = torch.randn(2, H, generator=g)
+    for r in (0, 1):  # the gate and up rows, read in place, equal their rows on their own
+        nib, d = q4.quantize(rows[:50, r])
+        assert torch.equal(q4.records_linear(x, rec[:50], H)[..., r], q4.linear(x, nib, d))
+
+
+@pytest.mark.parametrize("isa", [n for n, _ in kernel.candidates()])
+def test_every_path_of_this_cpu_computes_the_down_product_as_the_plain_c_path(isa):
+    plain, k = kernel.load(isa="plain"), kernel.load(isa=isa)
+    g = torch.Generator().manual_seed(4)
+    for n, H, m in [(7, 64, 3), (130, 640, 1), (33, 96, 2)]:
+        packed, d = q4.quantize(torch.randn(n, H, generator=g))
+        a = torch.randn(m, n, generator=g)
+        out = {}
+        for name, lib, threads in (("plain", plain, 1), (isa, k, 1), (isa + "/2", k, 2)):
+            y = torch.empty(m, H)
+            assert lib.lib.si_axpy_q4(a.data_ptr(), m, n, packed.data_ptr(), d.data_ptr(),
+                                      packed.stride(0), d.stride(0), H, y.data_ptr(), threads) == 0
+            out[name] = y
+        for name, y in out.items():
+            assert torch.allclose(y, out["plain"], rtol=1e-5, atol=1e-5 * float(y.abs().max())), name
+
+
+@pytest.fixture(scope="module")
+def q4_packed(tiny_models, tmp_path_factory):
+    from selectinfer_ros.core.format.pack import pack
+    hf, float_packed = tiny_models["tiny-llama"]
+    out = pack(hf, tmp_path_factory.mktemp("q4") / "packed", weights="q4", log=lambda s: None)
+    return out.path, float_packed
+
+
+def test_q4_pack_holds_4bit_records_and_rows_and_the_same_fingerprint(q4_packed):
+    from selectinfer_ros.core.format.pack import FFN_FILE, OTHER_FILE, read_manifest, verify
+    from selectinfer_ros.core.format.safetensors_io import read_header
+    from selectinfer_ros.core.selection.loader import load_dense
+    path, float_packed = q4_packed
+    m, f = read_manifest(path), read_manifest(float_packed)
+    assert m.weights == "q4" and m.q4_ffn and m.fingerprint == f.fingerprint
+    H = m.hidden_size
+    assert m.record_bytes == 3 * (H // 2 + 2 * H // 32)  # 4.5 bits per weight
+    assert read_header(path / FFN_FILE)[0]["layers.0.neurons"].shape == (m.intermediate_size,
+                                                                          m.record_bytes)
+    tensors, _, _ = read_header(path / OTHER_FILE)
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.uint8
+    assert tensors["model.layers.0.self_attn.q_proj.scale"].dtype == torch.float16
+    assert tensors["model.norm.weight"].dtype not in (torch.uint8, torch.int8)
+    assert verify(path, log=lambda s: None) == []
+    q, _ = load_dense(path)
+    fl, _ = load_dense(float_packed)
+    for name in ("gate_proj", "down_proj"):  # within one 4-bit step of the float rows' blocks
+        wq = getattr(q.model.layers[1].mlp, name).weight
+        wf = getattr(fl.model.layers[1].mlp, name).weight.float()
+        blocks = wf.t() if name == "down_proj" else wf  # down: blocks along H of each column
+        step = blocks.reshape(blocks.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 8
+        err = ((wq.t() if name == "down_proj" else wq) - blocks).reshape(step.shape[0], -1, 32)
+        assert bool((err.abs() <= step + 1e-6).all()), name
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.6])
+def test_q4_model_reads_only_its_records_and_switches_like_a_fresh_load(q4_packed, tiny_profiles,
+                                                                         gamma):
+    from selectinfer_ros.core.format.pack import OTHER_FILE, read_manifest
+    from selectinfer_ros.core.format.safetensors_io import read_header
+    from selectinfer_ros.core.selection.loader import SelectiveModel
+    path, _ = q4_packed
+    profiles = tiny_profiles["tiny-llama"]
+    m = read_manifest(path)
+    lines: list[str] = []
+    sm = SelectiveModel(path, profiles, "alpha", load_ratio=gamma, static_ratio=0.3, log=lines.append)
+    assert any(line.startswith("[load] 4-bit weights: int8 kernel") for line in lines), lines
+    tensors, _, _ = read_header(path / OTHER_FILE)
+    n = round(gamma * m.intermediate_size)
+    assert sm.bytes_read == sum(t.nbytes for t in tensors.values()) + m.num_layers * n * m.record_bytes
+    assert sm.weight_bytes()["ffn"] == m.num_layers * n * m.record_bytes
+    report = sm.switch_task("beta")
+    assert report.bytes_read == report.neurons_read * m.record_bytes
+    fresh = SelectiveModel(path, profiles, "beta", load_ratio=gamma, static_ratio=0.3)
+    for mlp, ref in zip(sm.mlps, fresh.mlps):  # the same records, base neurons in the prefix
+        order, ref_order = torch.argsort(mlp.slot_ids), torch.argsort(ref.slot_ids)
+        assert torch.equal(mlp.slot_ids[order], ref.slot_ids[ref_order])
+        assert set(mlp.slot_ids[: mlp.n_static].tolist()) == set(ref.slot_ids[: ref.n_static].tolist())
+        assert torch.equal(mlp.rec[order], ref.rec[ref_order])
