@@ -4,8 +4,10 @@
    - "linear <i> <threads> <values...>": si_linear_i8 over shapes with odd block counts,
      partial blocks and column prefixes of wider rows, on 1 and 2 threads,
    - "q4 <i> <threads> <values...>": si_linear_q4 (4-bit rows) likewise,
+   - "axpy <i> <threads> <values...>": si_axpy_q4 (the down product of 4-bit records),
    - "decode <pos> <values...>": the hidden state after si_decode_layers of a small random
      int8 model (2 layers, GQA, q/k norms, a sliding window, a partial active prefix),
+   - "decode4 <pos> <values...>": the same for a 4-bit model (4-bit projections and records),
    all from a fixed pseudo-random sequence, as %a (exact) floats. */
 #include "int8_decode.c"
 
@@ -43,6 +45,32 @@ static si_mat mat(int64_t n, int64_t k) {
     return m;
 }
 
+/* n float16 scales in [2^-7, 2^-5) */
+static uint16_t *scales16(int64_t n) {
+    uint16_t *d = malloc((size_t)n * sizeof(uint16_t));
+    for (int64_t j = 0; j < n; j++)
+        d[j] = (uint16_t)(((15 - 7 + (j % 2)) << 10) | ((uint16_t)(urand() * 511.0f + 512.0f)));
+    return d;
+}
+
+/* n 4-bit rows of k: nibbles [n, k / 2] and scales [n, k / 32] */
+static si_mat mat4(int64_t n, int64_t k) {
+    si_mat m = {qrows(n * k / 2), NULL, n, k, k / 2, scales16(n * k / QK), k / QK};
+    return m;
+}
+
+/* n 4-bit neuron records of hidden size H (layout of pack.q4_records), float16 scales as above */
+static uint8_t *records4(int64_t n, int64_t H) {
+    int64_t R = 3 * (H / 2 + H / 16);
+    uint8_t *r = (uint8_t *)qrows(n * R);
+    for (int64_t i = 0; i < n; i++) {
+        uint16_t *d = scales16(3 * H / QK);
+        memcpy(r + i * R + 3 * H / 2, d, (size_t)(3 * H / QK) * sizeof(uint16_t));
+        free(d);
+    }
+    return r;
+}
+
 int main(void) {
     printf("isa %s\n", si_isa());
     static const int64_t shapes[][4] = {/* N, K, M, ldw */
@@ -64,13 +92,16 @@ int main(void) {
     for (int i = 0; i < 4; i++) {
         int64_t N = q4shapes[i][0], K = q4shapes[i][1], M = q4shapes[i][2];
         uint8_t *w = (uint8_t *)qrows(N * K / 2);
-        uint16_t *d = malloc((size_t)(N * K / QK) * sizeof(uint16_t));
-        for (int64_t j = 0; j < N * K / QK; j++) /* float16 scales in [2^-7, 2^-5) */
-            d[j] = (uint16_t)(((15 - 7 + (j % 2)) << 10) | ((uint16_t)(urand() * 511.0f + 512.0f)));
+        uint16_t *d = scales16(N * K / QK);
         float *x = frand(M * K, -2.0f, 2.0f), *y = malloc((size_t)(M * N) * sizeof(float));
         for (int threads = 1; threads <= 2; threads++) {
             if (si_linear_q4(x, M, K, w, d, N, K / 2, K / QK, y, threads) != 0) return 1;
             print("q4", i, threads, y, M * N);
+        }
+        float *a = frand(M * N, -2.0f, 2.0f), *z = malloc((size_t)(M * K) * sizeof(float));
+        for (int threads = 1; threads <= 2; threads++) { /* N rows of K as the down columns */
+            if (si_axpy_q4(a, M, N, w, d, K / 2, K / QK, K, z, threads) != 0) return 1;
+            print("axpy", i, threads, z, M * K);
         }
     }
 
@@ -86,7 +117,9 @@ int main(void) {
     m.a = calloc(m.max_k, sizeof(float));
     m.xq = calloc(m.max_k + QK, 1);
     m.xd = calloc(m.max_k / QK + 2, sizeof(float));
+    m.xs = calloc(m.max_k / QK + 2, sizeof(int32_t));
     si_layer layers[2];
+    memset(layers, 0, sizeof layers); /* rec NULL: int8 slots first */
     float *cos = frand(cap * hd, -1.0f, 1.0f), *sin = frand(cap * hd, -1.0f, 1.0f);
     for (int l = 0; l < L; l++) {
         si_layer *ly = &layers[l];
@@ -117,6 +150,22 @@ int main(void) {
         for (int64_t i = 0; i < H; i++) x[i] = urand();
         if (si_decode_layers(&m, layers, L, x, pos, 2, NULL) != 0) return 1;
         print("decode", pos, 0, x, H);
+    }
+    for (int l = 0; l < L; l++) { /* the same model over 4-bit rows and records */
+        si_layer *ly = &layers[l];
+        ly->q = mat4(nh * hd, H);
+        ly->k = mat4(nkv * hd, H);
+        ly->v = mat4(nkv * hd, H);
+        ly->o = mat4(H, nh * hd);
+        ly->rec = records4(loaded, H);
+        ly->rec_ld = 3 * (H / 2 + H / 16);
+        memset(ly->k_cache, 0, (size_t)(nkv * cap * hd) * sizeof(float));
+        memset(ly->v_cache, 0, (size_t)(nkv * cap * hd) * sizeof(float));
+    }
+    for (int64_t pos = 0; pos < 6; pos++) {
+        for (int64_t i = 0; i < H; i++) x[i] = urand();
+        if (si_decode_layers(&m, layers, L, x, pos, 2, NULL) != 0) return 1;
+        print("decode4", pos, 0, x, H);
     }
     return 0;
 }

@@ -36,7 +36,7 @@ def _run(isa: str, tmp: Path) -> dict[str, list[torch.Tensor] | str]:
     assert build.returncode == 0, build.stderr[-2000:]
     res = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    out: dict = {"linear": [], "q4": [], "decode": []}
+    out: dict = {"linear": [], "q4": [], "axpy": [], "decode": [], "decode4": []}
     for line in res.stdout.splitlines():
         kind, *rest = line.split()
         if kind == "isa":
@@ -56,10 +56,13 @@ def test_neon_kernel_equals_the_plain_c_path(isa, plain, tmp_path):
     got = _run(isa, tmp_path)
     assert got["isa"] == isa and plain["isa"] == "plain"
     assert len(got["linear"]) == len(plain["linear"]) == 16
-    assert len(got["q4"]) == len(plain["q4"]) == 8
+    assert len(got["q4"]) == len(plain["q4"]) == len(got["axpy"]) == len(plain["axpy"]) == 8
     for a, b in zip(got["linear"] + got["q4"], plain["linear"] + plain["q4"]):  # same block sums
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+    for a, b in zip(got["axpy"], plain["axpy"]):  # float sums in the same order
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
     # whole decode steps: a float sum's last bit can move an int8 activation by one step
-    assert len(got["decode"]) == len(plain["decode"]) == 6
-    rel = torch.stack([(a - b).abs().max() / b.std() for a, b in zip(got["decode"], plain["decode"])])
-    assert float(rel.median()) < 1e-3 and float(rel.max()) < 0.05, rel
+    for kind in ("decode", "decode4"):  # int8 and 4-bit models
+        assert len(got[kind]) == len(plain[kind]) == 6
+        rel = torch.stack([(a - b).abs().max() / b.std() for a, b in zip(got[kind], plain[kind])])
+        assert float(rel.median()) < 1e-3 and float(rel.max()) < 0.05, (kind, rel)
