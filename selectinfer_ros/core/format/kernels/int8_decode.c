@@ -333,29 +333,57 @@ static inline float half_to_float(uint16_t h) {
     return v.f;
 }
 
+#if defined(SI_AVX2) || defined(SI_AVX512)
+/* One 4-bit block: unsigned nibbles wv (q + 8) times signed activations xv, summed to 8 int32
+   lanes. */
+static inline __m256i q4_block(__m256i wv, __m256i xv) {
+#if defined(SI_AVXVNNI)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wv, xv);
+#elif defined(SI_VNNI512)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
 static void q4_row(const uint8_t *w, const uint16_t *d, int64_t nb, const int8_t *xq,
                    const float *xd, const int32_t *xs, float *out) {
 #if defined(SI_AVX2) || defined(SI_AVX512)
     /* the nibbles q + 8 are the unsigned operand as they are: sum (q + 8) x = sum q x +
-       8 sum x, and 8 sum x is taken off as xs[b] (the block's activation sum) per int32 lane */
+       8 sum x, and 8 sum x is taken off as 8 xs[b] (the block's activation sum). Eight blocks
+       at a time: their integer sums are reduced into one vector, then scaled by their eight
+       scales (converted together) in one multiply-add. */
     __m256 acc = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; b++) {
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        __m256i p[8];
+        for (int j = 0; j < 8; j++) {
+            __m128i raw = _mm_loadu_si128((const __m128i *)(w + (b + j) * 16));
+            __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (b + j) * QK));
+            p[j] = q4_block(wv, xv);
+        }
+        __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+        __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20),
+                                       _mm256_permute2x128_si256(s0, s1, 0x31)); /* [8] blocks */
+        sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(
+                                        _mm256_loadu_si256((const __m256i *)(xs + b)), 3));
+        __m256 sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b))),
+                                  _mm256_loadu_ps(xd + b));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), sc, acc);
+    }
+    float rest = 0.0f;
+    for (; b < nb; b++) {
         __m128i raw = _mm_loadu_si128((const __m128i *)(w + b * 16));
         __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-#if defined(SI_AVXVNNI)
-        __m256i p = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wv, xv);
-#elif defined(SI_VNNI512)
-        __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
-#else
-        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1));
-#endif
-        p = _mm256_sub_epi32(p, _mm256_set1_epi32(xs[b]));
-        __m256 sc = _mm256_set1_ps(_cvtsh_ss(d[b]) * xd[b]);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc);
+        __m256 v = _mm256_cvtepi32_ps(q4_block(wv, xv));
+        rest += (hsum256(v) - 8.0f * (float)xs[b]) * (_cvtsh_ss(d[b]) * xd[b]);
     }
-    *out = hsum256(acc);
+    *out = hsum256(acc) + rest;
 #elif defined(SI_NEON_DOT)
     float32x4_t acc = vdupq_n_f32(0.0f);
     const uint8x16_t low = vdupq_n_u8(0x0F);
