@@ -319,6 +319,13 @@ int si_linear_i8(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t 
 
    w4: [N, K / 2] bytes at row stride ldw (bytes), d: [N, K / 32] float16 bits at row stride
    ldd; K a multiple of 32. */
+#if defined(__aarch64__)
+static inline float half_to_float(uint16_t h) { /* the CPU's own conversion (fcvt) */
+    __fp16 f;
+    memcpy(&f, &h, sizeof f);
+    return (float)f;
+}
+#else
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
     union {
@@ -332,6 +339,7 @@ static inline float half_to_float(uint16_t h) {
     v.u = sign | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
     return v.f;
 }
+#endif
 
 #if defined(SI_AVX2) || defined(SI_AVX512)
 /* One 4-bit block: unsigned nibbles wv (q + 8) times signed activations xv, summed to 8 int32
