@@ -371,12 +371,12 @@ def resolve_model(args, log, llama_dir: Path | None = None) -> tuple[Path, Path 
             pack(root / "hf", packed, model_id=model_id, log=log)
         # The checkpoint goes once the packs are made: a later run that needs another pack
         # (int8 after a float-only run, GGUF after a run without llama.cpp) writes it again.
-        need_int8 = any(w != "float" and not is_packed(packed.with_name(f"{packed.name}-{w}"))
-                        for w in args.weights)
+        need = [f"{w} pack" for w in args.weights
+                if w != "float" and not is_packed(packed.with_name(f"{packed.name}-{w}"))]
         need_gguf = llama_dir is not None and not llama_cpp.gguf_path(model_id, "F16").exists()
-        if (need_int8 or need_gguf) and not (root / "hf" / "config.json").exists():
+        if (need or need_gguf) and not (root / "hf" / "config.json").exists():
             log(f"[bench] rewriting the random-weight {args.preset} checkpoint for the "
-                f"{' and '.join(w for w, n in (('quantized pack', need_int8), ('GGUF', need_gguf)) if n)} ...")
+                f"{' and the '.join(need + (['GGUF'] if need_gguf else []))} ...")
             write_checkpoint()
         for w in args.weights:  # the quantized packs: made from the checkpoint, which then goes
             if w != "float":

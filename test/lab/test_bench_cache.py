@@ -27,12 +27,13 @@ def test_bench_runs_in_any_order_without_touching_the_cache(tmp_path):
     _bench(cache, "--quick")  # float only: the checkpoint goes, no int8 pack
     assert (root / "packed" / "manifest.json").exists()
     assert not (root / "hf").exists() and not (root / "packed-int8").exists()
-    out = _bench(cache, "--weights", "float", "int8", "--out", str(tmp_path / "b"))
-    assert "rewriting the random-weight tiny-llama checkpoint for the int8 pack" in out.stderr
+    out = _bench(cache, "--weights", "float", "int8", "q4", "--out", str(tmp_path / "b"))
+    assert ("rewriting the random-weight tiny-llama checkpoint for the int8 pack and the q4 pack"
+            in out.stderr)
     names = [r["name"] for r in json.loads((tmp_path / "b" / "bench.json").read_text())]
-    assert "selectinfer int8 0.7/0.5" in names and "selectinfer 0.7/0.5" in names
+    assert {"selectinfer int8 0.7/0.5", "selectinfer q4 0.7/0.5", "selectinfer 0.7/0.5"} <= set(names)
     assert not (root / "hf").exists()
     # the rewritten checkpoint held the packed weights: the float profiles apply to the int8 pack
     assert read_manifest(root / "packed-int8").fingerprint == read_manifest(root / "packed").fingerprint
-    out = _bench(cache, "--quick", "--weights", "int8")  # both packs there: nothing rewritten
+    out = _bench(cache, "--quick", "--weights", "int8", "q4")  # the packs there: nothing rewritten
     assert "rewriting" not in out.stderr and "packing" not in out.stderr

@@ -20,7 +20,7 @@ def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 def test_bench_quick_writes_json_and_plot(tiny_models, tiny_profiles, tmp_path):
     _, packed = tiny_models["tiny-llama"]
     out = _cli("bench", "--quick", "--model", str(packed), "--profiles", str(tiny_profiles["tiny-llama"]),
-               "--task", "alpha", "--threads", "1", "--weights", "float", "int8", "--out", str(tmp_path))
+               "--task", "alpha", "--threads", "1", "--weights", "float", "int8", "q4", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench_speed_vs_memory.png").stat().st_size > 10_000
     assert "decode tok/s" in out.stdout
@@ -46,6 +46,11 @@ def test_bench_quick_writes_json_and_plot(tiny_models, tiny_profiles, tmp_path):
     assert q["weights"] == "int8" and sel["selectinfer 0.7/0.5"]["weights"] == "float"
     assert q["bytes_read"] < 0.5 * sel["selectinfer 0.7/0.5"]["bytes_read"]
     assert q["bytes_per_decode_token"] < 0.5 * sel["selectinfer 0.7/0.5"]["bytes_per_decode_token"]
+    # 4-bit records: 4.5 bits per weight against int8's 8 (+ a scale per row)
+    q4 = sel["selectinfer q4 0.7/0.5"]
+    assert q4["weights"] == "q4"
+    assert q4["bytes_read"] < 0.7 * q["bytes_read"]
+    assert q4["bytes_per_decode_token"] < 0.7 * q["bytes_per_decode_token"]
 
 
 @pytest.mark.timeout(1500)  # a whole quick eval of the real model: minutes on 2 busy cores
