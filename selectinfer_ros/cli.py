@@ -267,11 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", help="packed model folder to write")
     p.add_argument("--model-id", help="name stored in the manifest (default: the folder name)")
     p.add_argument("--dtype", help="float dtype of what is not int8 (default: the checkpoint's)")
-    p.add_argument("--weights", default="float", metavar="{float,int8,int8-ffn,q4,q4-ffn}",
+    p.add_argument("--weights", default="float", metavar="{float,int8,int8-ffn,q4,q4-all}",
                    help="float (default); int8: neuron records, attention and output layer as "
                         "int8 rows with per-row scales; int8-ffn: only the neuron records; q4: "
-                        "neuron records, attention and output layer as 4-bit rows (blocks of 32, "
-                        "float16 scale); q4-ffn: 4-bit records, int8 attention and output layer")
+                        "neuron records as 4-bit rows (blocks of 32, float16 scale), attention "
+                        "and output layer int8; q4-all: those 4-bit too")
     p.set_defaults(func=cmd_pack)
 
     show = profile_show_parser()

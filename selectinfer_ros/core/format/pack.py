@@ -15,9 +15,9 @@ A packed model folder holds:
   (``H / 2`` bytes each, blocks along H), then their float16 block scales (``H / 32`` each);
 - int8 weights also store the attention projections and the output layer / token embedding as
   int8 ``<name>.weight`` with a float32 per-row ``<name>.scale`` (``--weights int8-ffn``: only the
-  neuron records are int8); q4 weights store them as 4-bit rows: uint8 nibbles ``<name>.weight``
-  ``[N, K / 2]`` and float16 ``<name>.scale`` ``[N, K / 32]`` (``--weights q4-ffn``: 4-bit
-  records, int8 attention and output layer);
+  neuron records are int8); ``q4`` keeps them int8 (4-bit attention and output rows cost too
+  much agreement on the embedded model), ``q4-all`` stores them as 4-bit rows too: uint8
+  nibbles ``<name>.weight`` ``[N, K / 2]`` and float16 ``<name>.scale`` ``[N, K / 32]``;
 - ``checksums.safetensors``: int64 word sums of every neuron record (``layers.<l>.neurons``
   ``[I]``) and of every non-FFN tensor (its name, ``[1]``). The loader checks the records and
   tensors it reads; ``selectinfer verify`` checks everything.
@@ -48,8 +48,8 @@ MANIFEST = "manifest.json"
 FFN_FILE = "ffn.safetensors"
 OTHER_FILE = "model.safetensors"
 CHECKSUM_FILE = "checksums.safetensors"
-WEIGHTS = ("float", "int8", "int8-ffn", "q4", "q4-ffn")  # what ``pack --weights`` may write
-Q4_WEIGHTS = ("q4", "q4-ffn")  # 4-bit neuron records
+WEIGHTS = ("float", "int8", "int8-ffn", "q4", "q4-all")  # what ``pack --weights`` may write
+Q4_WEIGHTS = ("q4", "q4-all")  # 4-bit neuron records
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja", "generation_config.json",
                    "vocab.json", "merges.txt")
@@ -92,7 +92,7 @@ class Manifest:
     def int8_other(self) -> bool:
         """Attention projections and output layer / embedding are quantized too (int8, or
         4-bit for ``q4``)."""
-        return self.weights in ("int8", "q4", "q4-ffn")
+        return self.weights in ("int8", "q4", "q4-all")
 
     @property
     def record_bytes(self) -> int:
@@ -294,7 +294,7 @@ def q4_records(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torc
     if H % QK:
         raise ValueError(f"4-bit neuron records need a hidden size that is a multiple of {QK}, "
                          f"got {H}")
-    nib, d = quantize(torch.stack([gate, up, down.t()], dim=1).reshape(3 * I, H))
+    nib, d = quantize(torch.stack([gate, up, down.t()], dim=1).reshape(3 * I, H), fit=True)
     return torch.cat([nib.view(I, 3 * H // 2), d.view(torch.uint8).view(I, -1)], dim=1)
 
 
@@ -308,17 +308,17 @@ def q4_record_rows(raw: torch.Tensor, hidden: int) -> torch.Tensor:
 
 
 def is_q4_other(name: str, shape: tuple[int, ...], weights: str) -> bool:
-    """A non-FFN tensor that ``weights`` stores as 4-bit rows: with ``q4`` the ones
-    :func:`is_int8_other` names (``q4-ffn``: none; both keep rows whose length is not a multiple
+    """A non-FFN tensor that ``weights`` stores as 4-bit rows: with ``q4-all`` the ones
+    :func:`is_int8_other` names (``q4``: none; both keep rows whose length is not a multiple
     of 32 in int8)."""
-    return weights == "q4" and is_int8_other(name, shape) and shape[1] % 32 == 0
+    return weights == "q4-all" and is_int8_other(name, shape) and shape[1] % 32 == 0
 
 
 def pack(src: str | Path, out: str | Path, model_id: str | None = None,
          dtype: torch.dtype | None = None, weights: str = "float",
          log: Callable[[str], None] = print) -> Manifest:
     """Convert a Hugging Face checkpoint folder into a packed folder (layer by layer);
-    ``weights`` int8 / int8-ffn stores int8 rows with per-row scales, q4 / q4-ffn 4-bit rows
+    ``weights`` int8 / int8-ffn stores int8 rows with per-row scales, q4 / q4-all 4-bit rows
     (see the module doc)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
@@ -378,7 +378,7 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
         if is_q4_other(k, shape, weights):
             specs[k] = (torch.uint8, (shape[0], shape[1] // 2))
             specs[k.removesuffix(".weight") + ".scale"] = (torch.float16, (shape[0], shape[1] // 32))
-        elif weights in ("int8", "q4", "q4-ffn") and is_int8_other(k, shape):
+        elif weights in ("int8", "q4", "q4-all") and is_int8_other(k, shape):
             specs[k] = (torch.int8, shape)
             specs[k.removesuffix(".weight") + ".scale"] = (torch.float32, shape[:1])
         else:
@@ -388,7 +388,7 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
         t = where[k].get_tensor(k)
         if specs[k][0] == torch.uint8:
             from .q4 import quantize
-            nib, d = quantize(t)
+            nib, d = quantize(t, fit=True)
             parts = {k: nib, k.removesuffix(".weight") + ".scale": d}
         elif specs[k][0] == torch.int8:
             from .int8 import quantize_rows

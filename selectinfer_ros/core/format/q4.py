@@ -21,14 +21,46 @@ from . import kernel as _kernel
 QK = 32
 
 
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` ``[N, K]`` -> ``(nibbles uint8 [N, K / 2], scales float16 [N, K / 32])``."""
+FIT_FACTORS = (0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1)  # candidate scales, times the peak's
+
+
+def _fit_scales(b: torch.Tensor, d0: torch.Tensor) -> torch.Tensor:
+    """Per block (``b`` ``[n, nb, 32]`` float32), the float16 scale of least squared error among
+    the peak scale ``d0`` ``[n, nb]`` and, for each of :data:`FIT_FACTORS`, the least-squares
+    scale of the values rounded at ``d0 * factor`` (as llama.cpp's ``make_qx_quants``)."""
+    def err(d: torch.Tensor) -> torch.Tensor:
+        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        q = torch.round(b * inv[..., None]).clamp_(-8, 7)
+        return (b - q * d[..., None]).square().sum(-1)
+    best, best_err = d0, err(d0)
+    for f in FIT_FACTORS:
+        d = d0 * f
+        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        q = torch.round(b * inv[..., None]).clamp_(-8, 7)
+        den = q.square().sum(-1)
+        d = torch.where(den > 0, (b * q).sum(-1) / den.clamp_min(1e-30), d).half().float()
+        e = err(d)
+        better = e < best_err
+        best, best_err = torch.where(better, d, best), torch.where(better, e, best_err)
+    return best
+
+
+def quantize(w: torch.Tensor, fit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``[N, K]`` -> ``(nibbles uint8 [N, K / 2], scales float16 [N, K / 32])``. Each
+    block's scale is its peak weight over -8 (that weight exact), or with ``fit`` the scale of
+    least squared error found by :func:`_fit_scales` (the packs use it; same layout)."""
     N, K = w.shape
     if K % QK:
         raise ValueError(f"4-bit rows need a multiple of {QK} columns, got {K}")
+    if fit and N * K > 1 << 22:  # in row chunks: the search holds a few copies of the rows
+        step = max(1, (1 << 22) // K)
+        parts = [quantize(w[i:i + step], fit=True) for i in range(0, N, step)]
+        return torch.cat([p for p, _ in parts]), torch.cat([d for _, d in parts])
     b = w.float().reshape(N, K // QK, QK)
     idx = b.abs().argmax(dim=-1, keepdim=True)
     d = (b.gather(-1, idx) / -8.0).squeeze(-1).to(torch.float16)  # [N, nb]
+    if fit:
+        d = _fit_scales(b, d.float()).to(torch.float16)
     df = d.float()
     inv = torch.where(df != 0, 1.0 / df, torch.zeros_like(df))
     q = torch.round(b * inv[..., None]).clamp_(-8, 7).to(torch.int16) + 8  # [N, nb, 32] in 0..15

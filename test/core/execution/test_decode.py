@@ -165,8 +165,8 @@ def _q8(x: torch.Tensor) -> torch.Tensor:
 
 def _dense_q4_reference(packed):
     """The dense model of a q4 pack over its dequantized weights (transformers forward); the
-    gate and up products see the activations as the kernel quantizes them (the 4-bit
-    attention and output rows run the kernel's 4-bit product, the down product is float)."""
+    gate and up products see the activations as the kernel quantizes them (the int8 or 4-bit
+    attention and output rows run the kernel's products, the down product is float)."""
     model, _ = load_dense(packed)
     for blk in model.model.layers:
         for lin in (blk.mlp.gate_proj, blk.mlp.up_proj):
@@ -174,20 +174,24 @@ def _dense_q4_reference(packed):
     return model
 
 
-@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
-def test_q4_records_selective_and_decode_kernel_equal_dense_q4(tiny_models, tmp_path, family):
+@pytest.mark.parametrize("family,weights", [("tiny-llama", "q4-all"), ("tiny-gemma3", "q4"),
+                                            ("tiny-gemma3", "q4-all")])
+def test_q4_records_selective_and_decode_kernel_equal_dense_q4(tiny_models, tmp_path, family,
+                                                               weights):
     """4-bit records: SelectiveModel at gamma = phi = 1 (torch ops: the records' gate/up and down
     products read in place) equals the dense q4 model over the dequantized weights to float
-    rounding, and so does the decode kernel step by step."""
+    rounding, and so does the decode kernel step by step (int8 or, q4-all, 4-bit attention)."""
     hf, _ = tiny_models[family]
-    packed = pack(hf, tmp_path / "q4", weights="q4", log=lambda s: None).path
+    packed = pack(hf, tmp_path / "q4", weights=weights, log=lambda s: None).path
     ids = torch.randint(4, 500, (24,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.no_grad():
         want = _dense_q4_reference(packed)(torch.tensor([ids])).logits[0].float()  # [T, V]
         sm = SelectiveModel(packed, load_ratio=1.0)
         got = sm.model(torch.tensor([ids])).logits[0].float()
     scale = float(want.std())
-    assert float((got - want).abs().max()) / scale < 1e-4
+    rel = sorted(float(r) for r in (got - want).abs().amax(-1) / scale)  # per position
+    # a last-bit difference can move one 8-bit activation across a rounding step
+    assert rel[len(rel) // 2] < 1e-5 and rel[-1] < 0.05, rel
     # the decode kernel, step by step from the torch-ops decoder's cache (which equals the
     # transformers forward): a last-bit difference can move one activation across an 8-bit
     # rounding step, so most steps equal to float rounding, the others within that noise
