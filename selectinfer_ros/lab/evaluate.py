@@ -84,6 +84,7 @@ class Evaluator:
         self.pairs = {t: agreement_pairs(tokenizer, self.data[t]) for t in AGREEMENT_TASKS}
         self.dense_ref: dict[str, list] = {}
         self.agreement_only = False
+        self.answers_only = False  # only the generated answers (no agreement, no perplexity)
 
     def _generate(self, engine: Engine, task: str) -> list[str]:
         out = []
@@ -134,11 +135,14 @@ class Evaluator:
         for task in ("qa", "translation", "summarization", "navigation"):
             if switch:
                 switch(task)
-            self._agreement(engine, task, out)
+            if self.answers_only and task not in self.generate:
+                continue
+            if not self.answers_only:
+                self._agreement(engine, task, out)
             if self.agreement_only:
                 continue
             refs = [r["reference"] for r in self.data[task]]
-            if task == "summarization":
+            if task == "summarization" and not self.answers_only:
                 out["summary_ref_ppl"], _ = self._ppl(engine, self.summary_pairs())
             if task not in self.generate:
                 continue
@@ -152,6 +156,8 @@ class Evaluator:
                 out["translation_chrf"] = chrf(preds, refs)
             else:
                 out["summary_rougeL"] = sum(rouge_l(p, r) for p, r in zip(preds, refs)) / len(refs)
+        if self.answers_only:
+            return out
         out["task_agreement"] = sum(out[f"{t}_agreement"] for t in AGREEMENT_TASKS) / len(AGREEMENT_TASKS)
         if self.agreement_only:
             return out
@@ -202,6 +208,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         configs = [c for c in configs if c.method == "dense" or c.method in keep]
     limit = 3 if args.quick else args.limit
     generate = tuple(MAX_NEW) if not args.headline_only else ("qa", "translation")
+    if getattr(args, "answers", None):
+        generate = tuple(args.answers.split(","))
     if not args.cross_phrasing:
         data = Path(args.data) if args.data else DATA_DIR / "eval"
         return run_configs(args, model_path, manifest, tok, profiles, data, configs, limit, generate)
@@ -241,8 +249,11 @@ def ensure_alt_profiles(model_path: Path, alt: Path, args: argparse.Namespace) -
 def run_configs(args, model_path, manifest, tok, profiles, data_dir, configs, limit, generate) -> list[dict]:
     ev = Evaluator(data_dir, limit, tok, generate)
     ev.agreement_only = bool(getattr(args, "agreement_only", False))
+    ev.answers_only = bool(getattr(args, "answers", None))
     task_of = {"qa": "qa", "translation": "translation", "summarization": "summarization",
                "navigation": "navigation", "prose": args.prose_task}
+    if getattr(args, "task", None):  # one profile for every task (general: nothing given)
+        task_of = dict.fromkeys(task_of, args.task)
     rows = []
     models: dict[tuple, SelectiveModel] = {}
     for cfg in configs:
@@ -257,7 +268,7 @@ def run_configs(args, model_path, manifest, tok, profiles, data_dir, configs, li
             if cfg.model_key not in models:
                 models.clear()  # one selective model resident at a time
                 models[cfg.model_key] = SelectiveModel(
-                    model_path, profiles, "qa", load_ratio=cfg.load_ratio,
+                    model_path, profiles, task_of["qa"], load_ratio=cfg.load_ratio,
                     static_ratio=cfg.static_ratio, compute_ratio=cfg.load_ratio, alpha=args.alpha,
                     dtype=args.dtype, selection=cfg.selection)
                 models[cfg.model_key].tokenizer = tok
@@ -306,7 +317,7 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['name']:<34}{f(r, 'qa_em', '.2f'):>7}{f(r, 'translation_chrf', '.1f'):>7}"
                   f"{f(r, 'summary_rougeL', '.2f'):>6}{f(r, 'summary_ref_ppl', '.2f'):>9}"
                   f"{f(r, 'navigation_em', '.2f'):>7}{f(r, 'prose_ppl', '.2f'):>10}"
-                  f"{f(r, 'next_token_agreement', '.2f'):>7}{r['task_agreement']:>9.2f}"
+                  f"{f(r, 'next_token_agreement', '.2f'):>7}{f(r, 'task_agreement', '.2f'):>9}"
                   f"{f(r, 'mean4_frac', '.2f'):>7}{r['weight_bytes'] / 2**20:>8.1f}")
         pred = [r for r in rows if r.get("direction", "") == direction and "qa_expected_agreement" in r]
         if pred:
@@ -329,6 +340,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "eval.json").write_text(json.dumps(rows, indent=2) + "\n")
+        if "mean4_frac" not in rows[0]:  # answers only: no accuracy summary to plot
+            print(f"wrote {out / 'eval.json'}")
+            return 0
         tradeoff_plot(rows, "mean4_frac", "accuracy (mean fraction of dense)", out / "eval_accuracy_vs_memory.png",
                       title=f"{rows[0]['model']}: accuracy vs resident weights")
         tradeoff_plot(rows, "next_token_agreement", "next-token agreement with dense",
