@@ -319,7 +319,8 @@ def print_table(rows: list[dict]) -> None:
                   f"{f(r, 'navigation_em', '.2f'):>7}{f(r, 'prose_ppl', '.2f'):>10}"
                   f"{f(r, 'next_token_agreement', '.2f'):>7}{f(r, 'task_agreement', '.2f'):>9}"
                   f"{f(r, 'mean4_frac', '.2f'):>7}{r['weight_bytes'] / 2**20:>8.1f}")
-        pred = [r for r in rows if r.get("direction", "") == direction and "qa_expected_agreement" in r]
+        pred = [r for r in rows if r.get("direction", "") == direction and "qa_expected_agreement" in r
+                and "qa_agreement" in r]
         if pred:
             print("agreement on the eval texts: measured / predicted by the curve stored in the profile")
             print(f"{'configuration':<34}" + "".join(f"{t:>22}" for t in AGREEMENT_TASKS))

@@ -99,8 +99,8 @@ class Profile:
         prefix = "quality_" if w == "float" else f"quality_{w.replace('-', '_')}_"
         self.extra.update({prefix + "load_ratios": torch.tensor(curve.load_ratios),
                            prefix + "compute_shares": torch.tensor(curve.compute_shares),
-                           prefix + "agreement": curve.agreement.float().contiguous(),
-                           prefix + "kl": curve.kl.float().contiguous()})
+                           prefix + "agreement": curve.agreement.float().clone(),
+                           prefix + "kl": curve.kl.float().clone()})
         self.info.update({prefix + "selection": curve.selection, prefix + "items": str(curve.items),
                           prefix + "tokens": str(curve.tokens), prefix + "data": curve.data,
                           prefix + "reference": curve.reference})

@@ -266,7 +266,7 @@ def test_wilson_interval_matches_the_formula_and_narrows_with_tokens():
     lo2, hi2 = wilson_interval(0.5, 2000)
     assert hi2 - lo2 < (hi - lo) / 4  # ~1/sqrt(n)
     lo, hi = wilson_interval(1.0, 65)  # the README's 65-token curve: not [1, 1]
-    assert hi == 1.0 and lo == pytest.approx(0.9442, abs=1e-3)
+    assert hi == pytest.approx(1.0) and lo == pytest.approx(0.9442, abs=1e-3)
     assert wilson_interval(0.7, 0) == (0.0, 1.0)
     assert with_ci(0.5, 100) == "0.500 [0.404, 0.596]"
 
