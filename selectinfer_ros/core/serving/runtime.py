@@ -60,7 +60,9 @@ class Runtime:
             torch.set_num_threads(opts.num_threads)
         self.opts = opts
         choosing = not dense and (opts.memory_budget_mb > 0 or opts.min_agreement > 0)
-        packs = candidate_packs(opts, log) if choosing else {"": model_path(opts, log)}
+        # the dense model is the float one unless weights are given
+        packs = candidate_packs(opts, log) if choosing else {
+            "": model_path(opts, log, (opts.weights or "float") if dense else None)}
         path = next(iter(packs.values()))
         manifest = read_manifest(path)
         self.model_id = manifest.model_id
