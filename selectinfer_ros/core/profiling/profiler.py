@@ -305,10 +305,13 @@ def measure_quality_curve(packed_dir: str | Path, profiles_dir: str | Path, task
     agree = torch.zeros(len(load_ratios), len(shares))
     kl = torch.zeros_like(agree)
     resolved, tokens = selection, n_tokens
-    points = sum(1 for g in load_ratios for s in shares if not (g >= 1.0 and s >= 1.0))
+    # gamma 1, phi 1 is the reference itself, unless the reference is another pack's dense model
+    # (int8 records against float: measured like any other point)
+    own = ref_dir.resolve() == Path(packed_dir).resolve()
+    points = sum(1 for g in load_ratios for s in shares if not (own and g >= 1.0 and s >= 1.0))
     done, t0 = 0, time.perf_counter()
     for i, gamma in enumerate(load_ratios):
-        todo = [(j, s) for j, s in enumerate(shares) if not (gamma >= 1.0 and s >= 1.0)]
+        todo = [(j, s) for j, s in enumerate(shares) if not (own and gamma >= 1.0 and s >= 1.0)]
         for j, s in enumerate(shares):
             if (j, s) not in todo:
                 agree[i, j], kl[i, j] = 1.0, 0.0  # the dense model itself
@@ -330,5 +333,5 @@ def measure_quality_curve(packed_dir: str | Path, profiles_dir: str | Path, task
                 f"({done}/{points} points, {time.perf_counter() - t0:.0f} s)")
         del sm, engine
     return QualityCurve(list(load_ratios), list(shares), agree, kl, resolved, len(pairs), tokens,
-                        data_name, weights, "" if ref_dir == Path(packed_dir) else
+                        data_name, weights, "" if own else
                         f"dense {read_manifest(ref_dir).weights} records")
