@@ -176,6 +176,10 @@ def add_fractions(rows: list[dict]) -> None:
     """Each metric as a fraction of dense (perplexities as dense/ppl) and the headline mean."""
     dense = next(r for r in rows if r["method"] == "dense")
     if "translation_chrf" not in dense or "prose_ppl" not in dense:
+        for r in rows:  # what was measured (answers only: QA EM, ...), as fractions of dense
+            for key in ("qa_em", "qa_contains", "translation_chrf", "navigation_em"):
+                if key in r and dense.get(key):
+                    r[f"{key}_frac"] = r[key] / dense[key]
         return
     for r in rows:
         for key in ("qa_em", "qa_contains", "translation_chrf", "summary_rougeL", "navigation_em"):
