@@ -100,7 +100,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     ref = dense_reference(Engine(dense, tok), pairs)
     del dense
     grid = sorted(set(args.load_ratios or CURVE_LOAD_RATIOS) | {1.0})
-    data_name = ", ".join(Path(f).name for f in (args.heldout or args.data))
+    data_name = ", ".join(f"{Path(f).parent.name}/{Path(f).name}" for f in (args.heldout or args.data))
     for pack_dir in curve_packs:
         curve = measure_quality_curve(pack_dir, out, task, heldout, args.selection, grid,
                                       alpha=args.alpha, device=args.device, dtype=args.dtype,
