@@ -45,7 +45,9 @@ ARGUMENTS = (
     ('params_file', '', 'parameters YAML (default: config/jetson_orin_nano.yaml of the package)'),
     ('model', '', 'packed model folder (params_file value if empty; there, empty = the '
                   'embedded Gemma 3 270M)'),
-    ('task', '', 'initial task profile (params_file value if empty)'),
+    ('weights', '', 'records of the embedded model: int8 or float (params_file value if empty; '
+                    'there, empty = int8 on a CPU, float on CUDA)'),
+    ('task', '', 'initial task profile (params_file value if empty; there, empty = general)'),
     ('load_ratio', '', 'gamma: share of MLP neurons resident (params_file value if empty)'),
     ('compute_ratio', '', 'phi: share of neurons computed per token (params_file value if empty)'),
     ('device', '', 'cpu, cuda or cuda:N (params_file value if empty)'),
@@ -65,7 +67,7 @@ def _overrides(context):
         return LaunchConfiguration(name).perform(context).strip()
 
     out = {}
-    for name in ('model', 'task', 'device', 'dtype'):
+    for name in ('model', 'weights', 'task', 'device', 'dtype'):
         if arg(name):
             out[name] = arg(name)
     for name in ('load_ratio', 'compute_ratio'):

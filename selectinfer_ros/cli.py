@@ -43,67 +43,109 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    """Profile a task on a prompt file (JSONL or plain text lines), then measure its quality curve
-    (agreement with dense over a gamma grid) on held-out prompts and store it in the profile."""
+    """Profile a task on a prompt file (JSONL or plain text lines), or fuse the folder's tasks into
+    the general profile (``--general``), then measure its quality curve (agreement with dense over
+    a gamma grid) on held-out prompts and store it in the profile."""
     import torch
     from .core.selection.loader import load_dense
+    from .core.execution.engine import Engine
     from .core.format.pack import read_manifest
     from .core.format.paths import default_profiles_dir
-    from .core.profiling.profiler import measure_quality_curve, profile_task, read_prompts, split_heldout
-    from .core.selection.profiles import load_profile, profile_path
+    from .core.profiling.profiler import (CURVE_LOAD_RATIOS, agreement_pairs, dense_reference,
+                                          measure_quality_curve, profile_task, read_prompts,
+                                          split_heldout)
+    from .core.selection.profiles import GENERAL_TASK, ProfileCatalog, load_profile, profile_path
     from .core.format.tokenizer import load_tokenizer
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not args.task.replace("_", "").replace("-", "").isalnum():
-        raise ValueError(f"task name {args.task!r}: use letters, digits, '_' and '-' (it names the file)")
-    path = _model_path(args.model)
+    task = args.task or (GENERAL_TASK if args.general else "")
+    if not task or not task.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"task name {task!r}: use letters, digits, '_' and '-' (it names the file)")
+    if not args.data and not args.general and not (args.curve_only and args.heldout):
+        raise ValueError("give --data (or --general, or --curve-only with --heldout)")
+    path, curve_packs = _profile_packs(args.model, args.weights)
     manifest = read_manifest(path)
     out = Path(args.out) if args.out else default_profiles_dir(manifest.model_id)
-    records = [r for f in args.data for r in read_prompts(f)]
+    records = [r for f in args.data or [] for r in read_prompts(f)]
     if args.heldout:
         profiled, heldout = records, [r for f in args.heldout for r in read_prompts(f)]
     else:
         profiled, heldout = split_heldout(records)
-    target = profile_path(out, args.task)
+    target = profile_path(out, task)
     if args.curve_only:
         prof = load_profile(target, manifest)
+    elif args.general:
+        prof = ProfileCatalog(out, manifest).general()
+        prof.save(target)
+        _log(f"[profile] {task}: fused from {prof.info['fused_from']} -> {target}")
     else:
         model, _ = load_dense(path, args.dtype, args.device)
         tok = load_tokenizer(path)
-        prof = profile_task(model, tok, manifest, args.task, args.data, args.batch_size,
+        prof = profile_task(model, tok, manifest, task, args.data, args.batch_size,
                             args.max_tokens, sensitivity=not args.no_sensitivity, records=profiled,
                             normalize=args.normalize)
         del model
         prof.save(target)
-        _log(f"[profile] {args.task}: {len(profiled)} records, {prof.tokens} tokens -> {target}")
+        _log(f"[profile] {task}: {len(profiled)} records, {prof.tokens} tokens -> {target}")
     if args.no_curve:
         return 0
     if not heldout:
-        _log(f"[profile] {args.task}: fewer than 8 records and no --heldout: no quality curve "
+        _log(f"[profile] {task}: fewer than 8 records and no --heldout: no quality curve "
              f"(--min-agreement cannot use this task)")
         return 0
-    curve = measure_quality_curve(path, out, args.task, heldout, args.selection, alpha=args.alpha,
-                                  device=args.device, dtype=args.dtype,
-                                  data_name=", ".join(Path(f).name for f in (args.heldout or args.data)),
-                                  log=_log)
-    prof.set_quality_curve(curve)
-    prof.save(target)
-    _log(f"[profile] {args.task}: quality curve on {curve.items} held-out records "
-         f"({curve.tokens} tokens, selection {curve.selection}) -> {target}")
-    print(format_curve(args.task, curve))
+    tok = load_tokenizer(path)
+    pairs = agreement_pairs(tok, heldout)
+    _log(f"[profile] {task}: dense reference on {len(pairs)} held-out records ...")
+    dense, _ = load_dense(path, args.dtype, args.device)
+    ref = dense_reference(Engine(dense, tok), pairs)
+    del dense
+    grid = sorted(set(args.load_ratios or CURVE_LOAD_RATIOS) | {1.0})
+    data_name = ", ".join(f"{Path(f).parent.name}/{Path(f).name}" for f in (args.heldout or args.data))
+    for pack_dir in curve_packs:
+        curve = measure_quality_curve(pack_dir, out, task, heldout, args.selection, grid,
+                                      alpha=args.alpha, device=args.device, dtype=args.dtype,
+                                      data_name=data_name, log=_log, reference_dir=path,
+                                      reference=ref)
+        prof.set_quality_curve(curve)
+        prof.save(target)
+        _log(f"[profile] {task}: {curve.weights} quality curve on {curve.items} held-out records "
+             f"({curve.tokens} tokens, selection {curve.selection}) -> {target}")
+        print(format_curve(task, curve))
     return 0
 
 
+def _profile_packs(model: str | None, weights: list[str] | None) -> tuple[str, list[str]]:
+    """(the pack profiled and agreed with, the packs whose quality curves are measured): for the
+    embedded model its float pack, and ``weights`` (default: the default records) packs; for a
+    ``--model`` folder that folder for both."""
+    from .core.format.default_model import DEFAULT_WEIGHTS, ensure_packed
+    if model:
+        if weights:
+            raise ValueError("--weights applies to the embedded model; a --model folder is "
+                             "measured in its own records")
+        return model, [model]
+    return (str(ensure_packed(_log, "float")),
+            [str(ensure_packed(_log, w)) for w in weights or [DEFAULT_WEIGHTS]])
+
+
 def format_curve(task: str, curve) -> str:
-    """The stored quality curve as a table: gamma rows, phi/gamma columns."""
-    head = "".join(f"  phi={s:g}*gamma" for s in curve.compute_shares)
-    lines = [f"task {task}: next-token agreement with dense (KL nats/token) on {curve.items} held-out "
-             f"records, {curve.tokens} tokens, selection {curve.selection or '?'}",
+    """The stored quality curve as a table: gamma rows, phi/gamma columns, each agreement with
+    its 95 % Wilson interval over the curve's held-out tokens."""
+    from .core.selection.profiles import MIN_CURVE_TOKENS, with_ci
+    head = "".join(f"  {'phi=' + format(s, 'g') + '*gamma':<27}" for s in curve.compute_shares)
+    ref = f" ({curve.reference})" if curve.reference else ""
+    lines = [f"task {task}: {curve.weights or 'float'} records, next-token agreement with dense"
+             f"{ref} [95 % CI] (KL nats/token) on {curve.items} held-out records, {curve.tokens} "
+             f"tokens, selection {curve.selection or '?'}",
              f"  gamma{head}"]
     for i, g in enumerate(curve.load_ratios):
-        cells = "".join(f"  {float(curve.agreement[i, j]):.3f} ({float(curve.kl[i, j]):.2f})"
+        cells = "".join(f"  {with_ci(float(curve.agreement[i, j]), curve.tokens)} "
+                        f"({float(curve.kl[i, j]):.2f})"
                         for j in range(len(curve.compute_shares)))
         lines.append(f"  {g:5.2f}{cells}")
+    if curve.tokens < MIN_CURVE_TOKENS:
+        lines.append(f"  warning: {curve.tokens} held-out tokens (< {MIN_CURVE_TOKENS}): the "
+                     f"intervals above are wide; add held-out prompts (--heldout)")
     return "\n".join(lines)
 
 
@@ -117,9 +159,12 @@ def cmd_profile_show(argv: list[str]) -> int:
         return 1
     print(summarize(profs, args.static_ratio))
     curves = {t: p.quality_curve() for t, p in profs.items()}
-    for task, curve in curves.items():
-        print(format_curve(task, curve) if curve is not None else
-              f"task {task}: no quality curve (re-run `selectinfer profile` to measure it)")
+    for task, prof in profs.items():
+        every = prof.quality_curves()
+        for curve in every.values():
+            print(format_curve(task, curve))
+        if not every:
+            print(f"task {task}: no quality curve (re-run `selectinfer profile` to measure it)")
     if args.plot and any(c is not None for c in curves.values()):
         from .lab.plots import quality_curve_plot
         quality_curve_plot({t: c for t, c in curves.items() if c is not None}, args.plot)
@@ -281,9 +326,18 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="summarise a profiles folder:\n  " + show.format_help()
                        .replace("\n", "\n  ").rstrip())
     add_option(p, ModelOptions, "model", default=None)
-    p.add_argument("--task", required=True, help="task name (the profile file is TASK.safetensors)")
-    p.add_argument("--data", required=True, nargs="+",
+    p.add_argument("--task", help="task name (the profile file is TASK.safetensors; with "
+                   "--general default 'general')")
+    p.add_argument("--data", nargs="+",
                    help="prompt files: JSONL ({prompt, reference} or {text}) or plain text lines")
+    p.add_argument("--general", action="store_true",
+                   help="the general profile (served when no task is given): the fused ranking "
+                   "of the folder's task profiles, no --data; measure its curve with --heldout")
+    p.add_argument("--weights", nargs="+", metavar="W",
+                   help="embedded model: records whose quality curve is measured (float, int8; "
+                   "default: the default records, int8), each against the dense float model")
+    p.add_argument("--load-ratios", nargs="+", type=float, metavar="G",
+                   help="gamma grid of the quality curve (default 0.5 0.6 ... 1.0)")
     p.add_argument("--heldout", nargs="+", help="held-out prompt files for the quality curve "
                    "(default: every 5th record of --data, not profiled)")
     p.add_argument("--out", help="profiles folder (default profiles/<model-id>)")

@@ -98,12 +98,15 @@ def test_users_own_task_from_plain_text_gets_a_curve_and_min_agreement_uses_it(t
     out = _cli("profile", "--model", str(packed), "--task", "my_task", "--data", str(prompts), "--out", str(d),
                "--threads", "1")
     assert out.returncode == 0, out.stderr
-    assert "task my_task: next-token agreement with dense" in out.stdout
+    assert "task my_task: float records, next-token agreement with dense" in out.stdout
+    assert "warning" in out.stderr and "held-out tokens (< 2000)" in out.stderr  # a small file
+    assert "(95 % CI)" in out.stderr and "[95 % CI]" in out.stdout
     assert (d / "my_task.safetensors").exists()
     plot = tmp_path / "curves.png"
     show = _cli("profile", "show", str(d), "--plot", str(plot))
     assert show.returncode == 0, show.stderr
-    assert "task my_task: next-token agreement" in show.stdout and plot.stat().st_size > 0
+    assert "task my_task: float records, next-token agreement" in show.stdout
+    assert plot.stat().st_size > 0
     gen = _cli("generate", "--model", str(packed), "--profiles", str(d), "--task", "my_task",
                "--min-agreement", "0.5", "--json", "--max-new-tokens", "2", "w5 w6")
     assert gen.returncode == 0, gen.stderr
@@ -111,7 +114,8 @@ def test_users_own_task_from_plain_text_gets_a_curve_and_min_agreement_uses_it(t
     res = json.loads(gen.stdout)
     from selectinfer_ros.core.selection.profiles import load_profile
     curve = load_profile(d / "my_task.safetensors").quality_curve()
-    assert res["task"] == "my_task" and res["load_ratio"] == curve.load_ratio_for(0.5)
+    share = round(res["compute_ratio"] / res["load_ratio"], 6)  # phi chosen with gamma
+    assert res["task"] == "my_task" and res["load_ratio"] == curve.load_ratio_for(0.5, share)
     both = _cli("generate", "--model", str(packed), "--profiles", str(d), "--task", "my_task",
                 "--min-agreement", "1.0", "--memory-budget", "0.0001", "--json", "w5")
     assert "bound: memory_budget" in both.stderr or "leaves no room" in both.stderr

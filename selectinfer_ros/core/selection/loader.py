@@ -189,7 +189,7 @@ class SelectiveModel:
                  dense_layers: int = 0, selection: str = "auto",
                  log: Callable[[str], None] = lambda s: None):
         """Load ``packed_dir`` with ``load_ratio`` of each layer's neurons for ``task`` (the
-        catalogue's first when None). ``static_ratio``/``compute_ratio`` None = ``load_ratio``;
+        catalogue's general profile when None). ``static_ratio``/``compute_ratio`` None = ``load_ratio``;
         the serving path resolves all three once (:class:`~..options.Ratios`) and passes them."""
         t0 = time.perf_counter()
         self.path = Path(packed_dir)
@@ -215,7 +215,7 @@ class SelectiveModel:
         if load_ratio < 1.0 and self.catalog is None and selection != "random":
             raise ValueError("load_ratio < 1 needs a profiles folder to choose neurons")
         self.load_ratio, self.static_ratio, self.compute_ratio = load_ratio, static_ratio, compute_ratio
-        self.task = task if task else (self.catalog.tasks[0] if self.catalog else "")
+        self.task = task if task else (self.catalog.default_task if self.catalog else "")
         if self.catalog is not None:
             self.catalog.get(self.task)
 

@@ -63,24 +63,71 @@ class Profile:
         tmp.replace(path)
         return path
 
-    def quality_curve(self) -> "QualityCurve | None":
-        """The measured agreement-with-dense curve stored by ``selectinfer profile``, if any."""
-        if "quality_agreement" not in self.extra:
-            return None
-        return QualityCurve(
-            [round(float(x), 6) for x in self.extra["quality_load_ratios"]],
-            [round(float(x), 6) for x in self.extra["quality_compute_shares"]],
-            self.extra["quality_agreement"].float(), self.extra["quality_kl"].float(),
-            self.info.get("quality_selection", ""), int(self.info.get("quality_items", 0)),
-            int(self.info.get("quality_tokens", 0)), self.info.get("quality_data", ""))
+    def quality_curves(self) -> dict[str, "QualityCurve"]:
+        """Every stored agreement-with-dense curve, by the weights format it was measured on
+        (``float``, ``int8``, ...)."""
+        out = {}
+        for name in self.extra:
+            if name.startswith("quality_") and name.endswith("agreement"):
+                prefix = name[:-len("agreement")]
+                w = prefix[len("quality_"):-1].replace("_", "-") or self.info.get(
+                    "quality_weights", "float")
+                out[w] = QualityCurve(
+                    [round(float(x), 6) for x in self.extra[prefix + "load_ratios"]],
+                    [round(float(x), 6) for x in self.extra[prefix + "compute_shares"]],
+                    self.extra[prefix + "agreement"].float(), self.extra[prefix + "kl"].float(),
+                    self.info.get(prefix + "selection", ""), int(self.info.get(prefix + "items", 0)),
+                    int(self.info.get(prefix + "tokens", 0)), self.info.get(prefix + "data", ""),
+                    w, self.info.get(prefix + "reference", ""))
+        return out
+
+    def quality_curve(self, weights: str | None = None) -> "QualityCurve | None":
+        """The measured curve for ``weights`` records; None: the default format's
+        (:data:`CURVE_PREFERENCE`). A format without its own curve gets another format's
+        (its ``weights`` says which), so a pack of another format still has a prediction."""
+        curves = self.quality_curves()
+        if weights in curves:
+            return curves[weights]
+        for w in CURVE_PREFERENCE:
+            if w in curves:
+                return curves[w]
+        return next(iter(curves.values()), None)
 
     def set_quality_curve(self, curve: "QualityCurve") -> None:
-        self.extra.update({"quality_load_ratios": torch.tensor(curve.load_ratios),
-                           "quality_compute_shares": torch.tensor(curve.compute_shares),
-                           "quality_agreement": curve.agreement.float().contiguous(),
-                           "quality_kl": curve.kl.float().contiguous()})
-        self.info.update({"quality_selection": curve.selection, "quality_items": str(curve.items),
-                          "quality_tokens": str(curve.tokens), "quality_data": curve.data})
+        """Store ``curve`` as the curve of its weights format (float: the version-2 names)."""
+        w = curve.weights or "float"
+        prefix = "quality_" if w == "float" else f"quality_{w.replace('-', '_')}_"
+        self.extra.update({prefix + "load_ratios": torch.tensor(curve.load_ratios),
+                           prefix + "compute_shares": torch.tensor(curve.compute_shares),
+                           prefix + "agreement": curve.agreement.float().clone(),
+                           prefix + "kl": curve.kl.float().clone()})
+        self.info.update({prefix + "selection": curve.selection, prefix + "items": str(curve.items),
+                          prefix + "tokens": str(curve.tokens), prefix + "data": curve.data,
+                          prefix + "reference": curve.reference})
+        if w == "float":
+            self.info["quality_weights"] = "float"
+
+
+CURVE_PREFERENCE = ("int8", "float")  # whose curve stands in for a format without its own
+MIN_CURVE_TOKENS = 2000  # fewer held-out tokens: a warning shows the uncertainty
+Z95 = 1.959964
+
+
+def wilson_interval(p: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """95 % Wilson score interval of a proportion ``p`` measured on ``n`` tokens ((0, 1) for
+    n = 0). Tokens of one text are not independent, so read it as a lower bound on the width."""
+    if n <= 0:
+        return 0.0, 1.0
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(max(0.0, p * (1 - p) / n + z * z / (4 * n * n))) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def with_ci(p: float, n: int) -> str:
+    """``0.812 [0.795, 0.828]``: a proportion with its 95 % Wilson interval over ``n`` tokens."""
+    lo, hi = wilson_interval(p, n)
+    return f"{p:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
 @dataclass(frozen=True)
@@ -96,8 +143,10 @@ class QualityCurve:
     kl: torch.Tensor  # [G, R]
     selection: str = ""
     items: int = 0
-    tokens: int = 0
+    tokens: int = 0  # held-out tokens every agreement figure counts
     data: str = ""
+    weights: str = ""  # records measured: float, int8, ... ("" = float, an old curve)
+    reference: str = ""  # the dense model agreed with ("" = the same pack's dense model)
 
     def __post_init__(self):
         G, R = len(self.load_ratios), len(self.compute_shares)
@@ -127,6 +176,20 @@ class QualityCurve:
 
     def expected_kl(self, load_ratio: float, compute_ratio: float | None = None) -> float:
         return self._interp(self.kl, load_ratio, compute_ratio)
+
+    def interval(self, load_ratio: float, compute_ratio: float | None = None) -> tuple[float, float]:
+        """95 % Wilson interval of the agreement at (gamma, phi) over the curve's tokens."""
+        return wilson_interval(self.expected_agreement(load_ratio, compute_ratio), self.tokens)
+
+    def describe(self, load_ratio: float, compute_ratio: float | None = None) -> str:
+        """``agreement 0.812 [0.795, 0.828] (95 % CI, 2067 held-out tokens, int8 curve)``."""
+        p = self.expected_agreement(load_ratio, compute_ratio)
+        return (f"agreement {with_ci(p, self.tokens)} (95 % CI, {self.tokens} held-out tokens, "
+                f"{self.weights or 'float'} curve)")
+
+    @property
+    def too_small(self) -> bool:
+        return self.tokens < MIN_CURVE_TOKENS
 
     def load_ratio_for(self, min_agreement: float, compute_share: float = 1.0,
                        step: float = 0.01) -> float | None:
@@ -172,6 +235,9 @@ class LoadRatioChoice:
     bound: str  # "min_agreement", "memory_budget" or "load_ratio"
     message: str
     expected_agreement: float | None = None
+    weights: str = ""  # records chosen ("" = the model's own)
+    compute_share: float | None = None  # phi/gamma chosen with it (None: compute_ratio's rule)
+    path: str = ""  # the packed folder of ``weights``
 
 
 def choose_load_ratio(agreement_ratio: float | None, memory_ratio: float | None,
@@ -207,6 +273,27 @@ def choose_load_ratio(agreement_ratio: float | None, memory_ratio: float | None,
     return LoadRatioChoice(memory_ratio, "memory_budget",
                            msg + f"; running at {memory_ratio:.3f}, below the agreement target; "
                            f"bound: memory_budget")
+
+
+GENERAL_TASK = "general"  # the model-wide profile: used when no task is given
+
+
+def general_profile(profiles: list[Profile], model_id: str, fingerprint: str) -> Profile:
+    """The model-wide profile: the fused cross-task ranking (:func:`fuse_scores`) as scores and
+    the mean normalised per-layer sensitivity. Its selection is the neurons every task shares;
+    adding it to a folder changes no other task's selection (the fusion of the tasks and their
+    fusion is the same table)."""
+    tasks = [p for p in profiles if p.info.get("kind") != "general"]
+    if not tasks:
+        raise ValueError("a general profile needs at least one task profile")
+    extra = {}
+    if all("sensitivity" in p.extra for p in tasks):
+        extra["sensitivity"] = torch.stack([p.extra["sensitivity"] / p.extra["sensitivity"].mean()
+                                            for p in tasks]).mean(0)
+    return Profile(GENERAL_TASK, model_id, fingerprint, fuse_scores([p.scores for p in tasks]),
+                   sum(p.tokens for p in tasks),
+                   hashlib.sha256("".join(p.dataset_sha256 for p in tasks).encode()).hexdigest(),
+                   extra, {"kind": "general", "fused_from": ",".join(p.task for p in tasks)})
 
 
 BASE_META = ("format", "version", "task", "model_id", "fingerprint", "tokens", "dataset_sha256",
@@ -285,10 +372,21 @@ class ProfileCatalog:
         running node switches to a new task by name."""
         return sorted(set(self.profiles) | {p.stem for p in self.dir.glob("*.safetensors")})
 
+    @property
+    def default_task(self) -> str:
+        """The task served when none is given: the general profile (made from the folder's task
+        profiles in memory when the folder has no ``general.safetensors``)."""
+        return GENERAL_TASK
+
     def get(self, task: str) -> Profile:
         if task not in self.profiles:
             if profile_path(self.dir, task).exists():
                 return self.reload(task)
+            if task == GENERAL_TASK:  # fused in memory: selects what the stored one would
+                prof = general_profile(list(self.profiles.values()), self.manifest.model_id,
+                                       self.manifest.fingerprint)
+                self.profiles[task] = prof
+                return prof
             raise KeyError(f"unknown task {task!r}; profiles in {self.dir}: {', '.join(self.tasks)}")
         return self.profiles[task]
 
@@ -298,16 +396,17 @@ class ProfileCatalog:
         self.profiles[task] = prof
         return prof
 
-    def quality_curve(self, task: str) -> QualityCurve | None:
-        """The stored agreement curve of ``task`` (None when its profile carries none)."""
-        return self.get(task).quality_curve()
+    def quality_curve(self, task: str, weights: str | None = None) -> QualityCurve | None:
+        """The stored agreement curve of ``task`` for ``weights`` records (see
+        :meth:`Profile.quality_curve`; None when its profile carries none)."""
+        return self.get(task).quality_curve(weights)
 
     def expected_agreement(self, task: str, load_ratio: float, compute_ratio: float | None = None,
-                           selection: str | None = None) -> float | None:
+                           selection: str | None = None, weights: str | None = None) -> float | None:
         """Expected next-token agreement with dense for ``task`` at (gamma, phi), from the curve
         measured by ``selectinfer profile``; None when there is no curve or it was measured with
         another selection strategy than ``selection`` (``auto``/None: no check)."""
-        curve = self.quality_curve(task)
+        curve = self.quality_curve(task, weights)
         if curve is None:
             return None
         if selection not in (None, "", "auto") and curve.selection and selection != curve.selection:
@@ -315,7 +414,7 @@ class ProfileCatalog:
         return curve.expected_agreement(load_ratio, compute_ratio)
 
     def load_ratio_for_agreement(self, min_agreement: float, tasks: list[str] | None = None,
-                                 compute_share: float = 1.0) -> float:
+                                 compute_share: float = 1.0, weights: str | None = None) -> float:
         """Smallest gamma whose expected agreement is >= ``min_agreement`` for every task in
         ``tasks`` (default: all, since the node may switch to any): the largest of the per-task
         answers. Raises ValueError when a task has no curve or cannot reach the target."""
@@ -323,7 +422,7 @@ class ProfileCatalog:
             raise ValueError(f"min_agreement must be in (0, 1], got {min_agreement}")
         need = 0.0
         for task in tasks or self.tasks:
-            curve = self.quality_curve(task)
+            curve = self.quality_curve(task, weights)
             if curve is None:
                 raise ValueError(f"profile {task!r} in {self.dir} has no quality curve; re-run "
                                  f"`selectinfer profile` (or `profile --curve-only`) for it")
@@ -337,6 +436,11 @@ class ProfileCatalog:
     def secondary_scores(self) -> torch.Tensor:
         """Cross-task fused scores ``[L, I]``: each task normalised per layer, then averaged."""
         return fuse_scores([p.scores for p in self.profiles.values()])
+
+    def general(self) -> Profile:
+        """A general profile fused from this folder's task profiles (to store with ``save``)."""
+        return general_profile(list(self.profiles.values()), self.manifest.model_id,
+                               self.manifest.fingerprint)
 
 
 def fuse_scores(scores: list[torch.Tensor]) -> torch.Tensor:

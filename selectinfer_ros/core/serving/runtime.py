@@ -20,15 +20,34 @@ from ..format.tokenizer import load_tokenizer
 from ..options import ModelOptions, Ratios
 from ..selection.loader import (SelectiveModel, SwitchReport, load_dense, load_ratio_for_budget,
                                 resolve_dtype)
-from ..selection.profiles import LoadRatioChoice, ProfileCatalog, choose_load_ratio
+from ..selection.profiles import LoadRatioChoice, ProfileCatalog
+from .choice import choose_point
 
 
-def model_path(opts: ModelOptions, log: Callable[[str], None] = lambda s: None) -> str:
-    """The packed model folder of ``opts`` (the embedded model, prepared once, when empty)."""
+def weights_for(opts: ModelOptions) -> str:
+    """The embedded model's records when ``opts`` do not choose them: ``weights``, else int8 on
+    a CPU (the int8 decode kernel) and float on CUDA (int8 rows would be dequantized per product
+    there: smaller, not faster)."""
+    from ..format.default_model import DEFAULT_WEIGHTS
+    return opts.weights or (DEFAULT_WEIGHTS if opts.device == "cpu" else "float")
+
+
+def model_path(opts: ModelOptions, log: Callable[[str], None] = lambda s: None,
+               weights: str | None = None) -> str:
+    """The packed model folder of ``opts`` (the embedded model, with ``weights`` records or
+    :func:`weights_for`, prepared once, when ``model`` is empty)."""
     if opts.model:
         return opts.model
     from ..format.default_model import ensure_packed
-    return str(ensure_packed(log=log))
+    return str(ensure_packed(log=log, weights=weights or weights_for(opts)))
+
+
+def candidate_packs(opts: ModelOptions, log: Callable[[str], None]) -> dict[str, str]:
+    """Weights format -> packed folder among which memory_budget_mb / min_agreement choose: the
+    embedded model's int8 and float records when ``weights`` is empty on a CPU, else the one."""
+    if opts.model or opts.weights or opts.device != "cpu":
+        return {"": model_path(opts, log)}
+    return {w: model_path(opts, log, w) for w in ("int8", "float")}
 
 
 class Runtime:
@@ -40,7 +59,11 @@ class Runtime:
         if opts.num_threads:
             torch.set_num_threads(opts.num_threads)
         self.opts = opts
-        path = model_path(opts, log)
+        choosing = not dense and (opts.memory_budget_mb > 0 or opts.min_agreement > 0)
+        # the dense model is the float one unless weights are given
+        packs = candidate_packs(opts, log) if choosing else {
+            "": model_path(opts, log, (opts.weights or "float") if dense else None)}
+        path = next(iter(packs.values()))
         manifest = read_manifest(path)
         self.model_id = manifest.model_id
         self.stats = RunningStats()
@@ -64,11 +87,21 @@ class Runtime:
                 raise FileNotFoundError(f"profiles folder {profiles} does not exist; run "
                                         f"`selectinfer profile` for model {manifest.model_id}")
             profiles = None
-        self.load_choice = self._choose_load_ratio(opts, manifest, profiles, log)
+        self.load_choice = LoadRatioChoice(opts.load_ratio, "load_ratio",
+                                           f"load_ratio {opts.load_ratio:g} as requested")
+        if choosing:
+            if opts.min_agreement > 0 and profiles is None:
+                raise ValueError("min_agreement needs task profiles with a quality curve")
+            self.load_choice = choose_point(opts, packs, profiles, log)
+            path = self.load_choice.path or path
+        compute = opts.compute_ratio
+        if compute <= 0 and self.load_choice.compute_share is not None:
+            compute = self.load_choice.load_ratio * self.load_choice.compute_share
         try:
-            self.ratios = Ratios.resolve(opts.load_ratio, opts.static_ratio, opts.compute_ratio,
+            self.ratios = Ratios.resolve(opts.load_ratio, opts.static_ratio, compute,
                                          chosen_load=self.load_choice.load_ratio,
-                                         bound=self.load_choice.bound)
+                                         bound=self.load_choice.bound
+                                         if compute == opts.compute_ratio else "load_ratio")
         except ValueError as e:
             if self.load_choice.bound == "memory_budget":
                 raise ValueError(f"memory_budget_mb {opts.memory_budget_mb:g}: {e}") from None
@@ -84,32 +117,12 @@ class Runtime:
         self.bytes_read, self.load_seconds = self.selective.bytes_read, self.selective.load_seconds
         self.task = self.selective.task
 
-    @staticmethod
-    def _choose_load_ratio(opts: ModelOptions, manifest, profiles, log) -> LoadRatioChoice:
-        """gamma from ``load_ratio``, or from the memory budget and/or the agreement target
-        (:func:`choose_load_ratio`: the stricter wins and the message says which bound)."""
-        memory = need = None
-        if opts.memory_budget_mb > 0:
-            dtype = resolve_dtype(opts.dtype or None, manifest.dtype)
-            memory = load_ratio_for_budget(manifest, dtype, int(opts.memory_budget_mb * 2**20),
-                                           opts.dense_layers)
-        if opts.min_agreement > 0:
-            if profiles is None:
-                raise ValueError("min_agreement needs task profiles with a quality curve")
-            share = opts.compute_ratio / opts.load_ratio if opts.compute_ratio > 0 else 1.0
-            need = ProfileCatalog(profiles, manifest).load_ratio_for_agreement(
-                opts.min_agreement, [opts.task] if opts.task else None, share)
-        choice = choose_load_ratio(need, memory, opts.load_ratio, opts.min_agreement or None)
-        if memory is not None or need is not None:
-            log(f"[load] {choice.message}")
-        return choice
-
     def ratios_for(self, compute_setting: float) -> Ratios:
         """The served ratios when the ``compute_ratio`` setting is ``compute_setting`` (0 = the
         load; the same rule as at load time); ValueError when it does not fit the loaded model.
         The dense model always computes everything."""
-        if self.selective is None:
-            return self.ratios
+        if self.selective is None or compute_setting <= 0:
+            return self.ratios  # 0: the compute ratio resolved (or chosen) at load
         phi = Ratios.resolve(self.opts.load_ratio, self.ratios.static, compute_setting,
                              chosen_load=self.ratios.load, bound=self.load_choice.bound).compute
         return self.ratios.with_compute(phi)
@@ -122,7 +135,8 @@ class Runtime:
         if sm is None or sm.catalog is None:
             return None
         phi = compute_ratio if compute_ratio is not None else sm.compute_ratio
-        return sm.catalog.expected_agreement(self.task, sm.load_ratio, phi, sm.selection_strategy)
+        return sm.catalog.expected_agreement(self.task, sm.load_ratio, phi, sm.selection_strategy,
+                                             sm.manifest.weights)
 
     @property
     def tasks(self) -> list[str]:

@@ -21,13 +21,16 @@ __all__ = ["ManagerSettings", "NodeSettings", "ParamError", "apply_changes", "ch
 
 
 def embedded_model_path(convert: bool = False, log: Callable[[str], None] = lambda s: None) -> Path | None:
-    """The packed embedded model; ``None`` when not converted yet and ``convert`` is false."""
+    """A packed embedded model (its records do not matter to the file checks: every pack of it
+    has the same fingerprint); ``None`` when none is prepared yet and ``convert`` is false, else
+    the default records are packed."""
     from ...core.format import default_model
     from ...core.format.pack import is_packed
-    path = default_model.packed_dir()
-    if is_packed(path):
-        return path
-    return default_model.ensure_packed(log=log) if convert else None
+    for weights in (default_model.DEFAULT_WEIGHTS, "float"):
+        if is_packed(default_model.packed_dir(weights)):
+            return default_model.packed_dir(weights)
+    return default_model.ensure_packed(log=log, weights=default_model.DEFAULT_WEIGHTS) \
+        if convert else None
 
 
 def check_model_files(model: str, profiles: str, task: str, need_profiles: bool = True) -> None:

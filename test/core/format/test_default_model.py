@@ -67,6 +67,7 @@ def test_cache_lives_outside_the_install_tree(monkeypatch, tmp_path):
     monkeypatch.delenv("SELECTINFER_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_model.packed_dir() == tmp_path / "xdg" / "selectinfer" / "gemma3-270m" / "packed"
+    assert default_model.packed_dir("int8") == default_model.packed_dir().with_name("packed-int8")
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_model.cache_root() == Path.home() / ".cache" / "selectinfer"
     monkeypatch.setenv("SELECTINFER_CACHE", str(tmp_path / "mine"))

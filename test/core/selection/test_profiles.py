@@ -255,3 +255,76 @@ def test_a_profile_added_to_the_folder_is_found_by_name(tiny_models, tiny_profil
     assert sm.catalog.tasks == ["alpha", "beta", "my_task"]
     report = sm.switch_task("my_task")
     assert report.task == "my_task" and sm.task == "my_task"
+
+
+# -- confidence intervals, curves per weights format, the general profile -----------------------
+
+def test_wilson_interval_matches_the_formula_and_narrows_with_tokens():
+    from selectinfer_ros.core.selection.profiles import wilson_interval, with_ci
+    lo, hi = wilson_interval(0.5, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-4) and hi == pytest.approx(0.5962, abs=1e-4)
+    lo2, hi2 = wilson_interval(0.5, 2000)
+    assert hi2 - lo2 < (hi - lo) / 4  # ~1/sqrt(n)
+    lo, hi = wilson_interval(1.0, 65)  # the README's 65-token curve: not [1, 1]
+    assert hi == pytest.approx(1.0) and lo == pytest.approx(0.9442, abs=1e-3)
+    assert wilson_interval(0.7, 0) == (0.0, 1.0)
+    assert with_ci(0.5, 100) == "0.500 [0.404, 0.596]"
+
+
+def test_curves_are_stored_per_weights_format_and_an_old_file_reads_as_float(tmp_path):
+    from dataclasses import replace
+
+    from selectinfer_ros.core.selection.profiles import load_profile
+    p = _profile(sens=[1.0, 2.0, 3.0, 4.0])
+    p.set_quality_curve(_curve())  # weights "": an old (float) curve, version-2 names
+    f = p.save(tmp_path / "t.safetensors")
+    assert set(load_profile(f).quality_curves()) == {"float"}
+    assert load_profile(f).quality_curve("int8").weights == "float"  # stands in, says so
+    agree = _curve().agreement - 0.05
+    p.set_quality_curve(replace(_curve(), agreement=agree, tokens=2400, weights="int8",
+                                reference="dense float records"))
+    p.save(f)
+    prof = load_profile(f)
+    assert set(prof.quality_curves()) == {"float", "int8"}
+    c8 = prof.quality_curve("int8")
+    assert c8.tokens == 2400 and c8.reference == "dense float records" and not c8.too_small
+    assert c8.expected_agreement(0.8) == pytest.approx(0.75)
+    assert prof.quality_curve("float").expected_agreement(0.8) == pytest.approx(0.80)
+    assert prof.quality_curve().weights == "int8"  # the default records' curve first
+    assert prof.quality_curve("float").too_small  # 300 tokens
+    assert "[0.7" in c8.describe(0.8) and "2400 held-out tokens" in c8.describe(0.8)
+
+
+def test_general_profile_is_the_fused_ranking_and_changes_no_task(tiny_models, tiny_profiles,
+                                                                  tmp_path):
+    """With no task given the model-wide (fused) neurons are loaded, not the first task's; a
+    stored general profile leaves every task's selection as it was."""
+    import shutil
+
+    from selectinfer_ros.core.format.pack import read_manifest
+    from selectinfer_ros.core.selection.loader import SelectiveModel
+    from selectinfer_ros.core.selection.profiles import GENERAL_TASK, ProfileCatalog
+    _, packed = tiny_models["tiny-llama"]
+    m = read_manifest(packed)
+    d = tmp_path / "p"
+    shutil.copytree(tiny_profiles["tiny-llama"], d)
+    cat = ProfileCatalog(d, m)
+    before = select_published(cat.get("alpha").scores, cat.secondary_scores(), 0.6, 0.3)
+    general = cat.general()
+    assert general.task == GENERAL_TASK and general.info["fused_from"] == "alpha,beta"
+    assert torch.allclose(general.scores, cat.secondary_scores())
+    general.save(d / "general.safetensors")
+    cat = ProfileCatalog(d, m)
+    assert "general" in cat.tasks and cat.default_task == GENERAL_TASK
+    after = select_published(cat.get("alpha").scores, cat.secondary_scores(), 0.6, 0.3)
+    assert all(torch.equal(a, b) for a, b in zip(before.neurons, after.neurons))
+    sm = SelectiveModel(packed, d, None, load_ratio=0.6, static_ratio=0.3)
+    assert sm.task == GENERAL_TASK
+    (d / "general.safetensors").unlink()  # a folder without one: fused in memory, same neurons
+    sm2 = SelectiveModel(packed, d, None, load_ratio=0.6, static_ratio=0.3)
+    assert sm2.task == GENERAL_TASK
+    assert all(torch.equal(a.slot_ids.sort().values, b.slot_ids.sort().values)
+               for a, b in zip(sm.mlps, sm2.mlps))
+    alpha = SelectiveModel(packed, d, "alpha", load_ratio=0.6, static_ratio=0.3)
+    assert any(not torch.equal(a.slot_ids.sort().values, b.slot_ids.sort().values)
+               for a, b in zip(sm.mlps, alpha.mlps))

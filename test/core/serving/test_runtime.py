@@ -43,8 +43,9 @@ def test_min_agreement_and_memory_budget_the_stricter_wins(embedded, embedded_pr
     base = dict(model=str(embedded), profiles=str(embedded_profiles), task="qa")
     logs: list[str] = []
     rt = Runtime(ModelOptions(**base, min_agreement=0.6), log=logs.append)
-    curve = rt.selective.catalog.quality_curve("qa")
-    assert rt.load_choice.bound == "min_agreement" and rt.load_ratio == curve.load_ratio_for(0.6)
+    curve = rt.selective.catalog.quality_curve("qa", rt.selective.manifest.weights)
+    assert rt.load_choice.bound == "min_agreement"
+    assert rt.load_ratio == curve.load_ratio_for(0.6, rt.load_choice.compute_share)
     assert rt.expected_agreement() >= 0.6
     assert any("min_agreement 0.60 -> load_ratio" in line for line in logs)
     other = rt.memory()["other_weight_bytes"]
@@ -115,3 +116,17 @@ def test_one_ratio_rule():
     assert r.with_compute(0.0) == r and r.with_compute(0.6).compute == 0.6
     with pytest.raises(ValueError):
         r.with_compute(0.9)
+
+
+def test_nothing_given_runs_int8_records_and_the_general_profile(embedded_profiles):
+    """The embedded model with no options: int8 records (the CPU kernel), and with gamma < 1 and
+    no task the general profile, not the alphabetically first task; float stays one option away."""
+    from selectinfer_ros.core.format.default_model import DEFAULT_WEIGHTS
+    logs: list[str] = []
+    rt = Runtime(ModelOptions(load_ratio=0.7), log=logs.append)
+    assert DEFAULT_WEIGHTS == "int8" and rt.selective.manifest.weights == "int8"
+    assert rt.task == "general" and "general" in rt.tasks
+    assert any("int8 decode kernel" in line or "int8 weights" in line for line in logs)
+    del rt
+    rt = Runtime(ModelOptions(weights="float", task="qa", load_ratio=0.7))
+    assert rt.selective.manifest.weights == "float" and rt.task == "qa"

@@ -99,10 +99,10 @@ def test_min_agreement_parameter_and_expected_agreement_in_diagnostics(llm_graph
     g = llm_graph(model='', profiles='', task='qa', load_ratio=1.0, compute_ratio=0.0,
                   static_ratio=0.3, min_agreement=0.6).ready(timeout=180.0)
     rt = g.node.runtime
-    curve = rt.selective.catalog.quality_curve('qa')
+    curve = rt.selective.catalog.quality_curve('qa', rt.selective.manifest.weights)
     assert curve is not None
     assert rt.load_choice.bound == 'min_agreement' and rt.load_ratio < 1.0
-    assert rt.load_ratio == curve.load_ratio_for(0.6)
+    assert rt.load_ratio == curve.load_ratio_for(0.6, rt.load_choice.compute_share)
     prof = diag.as_dict(g.node.publish_diagnostics().status[2])
     assert prof['load_ratio_bound'] == 'min_agreement'
     expected = float(prof['expected_agreement'])

@@ -164,3 +164,14 @@ def test_corrupt_profile_is_refused_and_previous_keeps_working(llm_graph, tiny_l
     (profiles / 'beta.safetensors').write_bytes(good)
     resp = switch(g, 'beta')
     assert resp.success and resp.active_task == 'beta', resp.message
+
+
+def test_no_task_parameter_serves_the_general_profile(llm_graph):
+    """`task` left empty: the general profile (the fused ranking of every task), not the
+    alphabetically first task; the profile manager keeps it."""
+    g = llm_graph(manager={}, task='').ready()
+    assert change(g, T.TRANSITION_CONFIGURE) and change(g, T.TRANSITION_ACTIVATE)
+    rt = g.node.runtime
+    assert rt.task == 'general' and 'general' in rt.tasks
+    run = g.run(g.goal(max_new_tokens=2), timeout=60.0)
+    assert run.result.profile == 'general'

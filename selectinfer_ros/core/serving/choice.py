@@ -1,0 +1,143 @@
+"""Choosing the point to run at from the model's measured quality curves: the records (weights
+format), gamma and phi together, under ``memory_budget_mb`` and ``min_agreement``.
+
+Each candidate point is (records, gamma, phi/gamma). Its resident bytes and the bytes one decode
+step reads are counted from the packed files; its agreement with the dense model is the lowest,
+over the tasks the node may serve, of the stored curves (:class:`QualityCurve`, each figure with
+its 95 % Wilson interval). Rules:
+
+- ``min_agreement``: the points whose agreement holds at their gamma and every larger one
+  (:meth:`QualityCurve.load_ratio_for`); run the one reading the fewest bytes per token (decode is
+  bandwidth-bound: the fastest), then the smallest. Bound: min_agreement.
+- ``memory_budget_mb``: the points that fit; run the one with the highest agreement (without
+  curves: phi = gamma), then the fastest. Bound: memory_budget.
+- both: the fastest point meeting both; when none does, memory wins (weights that do not fit
+  cannot run): the best agreement that fits, and the log says the target is not met.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..options import ModelOptions
+from ..selection.profiles import LoadRatioChoice, ProfileCatalog, QualityCurve, with_ci
+
+
+@dataclass(frozen=True)
+class Point:
+    weights: str
+    path: str
+    load_ratio: float
+    share: float  # phi / gamma
+    resident: int  # bytes of weights held
+    read: int  # bytes of weights one decode step reads
+    agreement: float | None  # lowest over the tasks (None: no curve)
+    task: str = ""  # the task whose curve gave it
+    curve: QualityCurve | None = None
+
+    def describe(self) -> str:
+        what = f"{self.weights or 'model'} records, load_ratio {self.load_ratio:.2f}, compute_ratio " \
+               f"{self.load_ratio * self.share:.2f}"
+        if self.curve is not None and self.agreement is not None:
+            what += (f"; measured agreement with dense {with_ci(self.agreement, self.curve.tokens)}"
+                     f" (95 % CI over {self.curve.tokens} held-out tokens, task {self.task}, "
+                     f"{self.curve.weights or 'float'} curve)")
+        return (what + f"; {self.resident / 2**20:.0f} MiB of weights, {self.read / 2**20:.0f} MiB "
+                f"read per token (decode speed not measured for this point: `selectinfer bench`)")
+
+
+def _sizes(path: str, opts: ModelOptions) -> tuple[int, int, int, "object"]:
+    """(fixed bytes: non-FFN tensors and dense layers, bytes of one layer's full FFN, sparse
+    layers, manifest) of a packed folder as ``opts`` would load it."""
+    from ..format.pack import read_manifest
+    from ..selection.loader import (dense_layer_count, neuron_bytes, other_bytes_estimate,
+                                    resolve_dtype)
+    m = read_manifest(path)
+    dtype = resolve_dtype(opts.dtype or None, m.dtype)
+    layer = m.intermediate_size * neuron_bytes(m, dtype)
+    dense = dense_layer_count(m.num_layers, opts.dense_layers)
+    return other_bytes_estimate(m, dtype) + dense * layer, layer, m.num_layers - dense, m
+
+
+def choose_point(opts: ModelOptions, packs: dict[str, str], profiles, log: Callable[[str], None]
+                 ) -> LoadRatioChoice:
+    """The point to run at (see the module doc) among ``packs`` (weights format -> packed folder);
+    logs it. ValueError when no point can run."""
+    from ..selection.loader import load_ratio_for_budget, resolve_dtype
+    budget = int(opts.memory_budget_mb * 2**20) if opts.memory_budget_mb > 0 else None
+    target = opts.min_agreement if opts.min_agreement > 0 else None
+    fixed_share = opts.compute_ratio / opts.load_ratio if opts.compute_ratio > 0 else None
+    meeting: list[Point] = []  # meet min_agreement (at their smallest gamma), fit the budget
+    fitting: list[Point] = []  # fit the budget (at its largest gamma)
+    reasons: list[str] = []
+    for weights, path in packs.items():
+        fixed, layer, sparse, m = _sizes(path, opts)
+        catalog = ProfileCatalog(profiles, m) if profiles else None
+        tasks = [opts.task] if opts.task else (catalog.tasks if catalog else [])
+        curves = {t: catalog.quality_curve(t, m.weights) for t in tasks} if catalog else {}
+        if target is not None:
+            missing = [t for t, c in curves.items() if c is None] or ([] if curves else ["all"])
+            if missing:
+                reasons.append(f"{weights or m.weights}: no quality curve for {', '.join(missing)}")
+                continue
+        g_max = 1.0
+        if budget is not None:
+            try:
+                g_max = load_ratio_for_budget(m, resolve_dtype(opts.dtype or None, m.dtype),
+                                              budget, opts.dense_layers)
+            except ValueError as e:
+                reasons.append(f"{weights or m.weights}: {e}")
+                continue
+        shares = [fixed_share] if fixed_share else sorted(
+            {s for c in curves.values() if c is not None for s in c.compute_shares} or {1.0})
+
+        def point(g: float, share: float) -> Point:
+            low = None
+            if curves and all(c is not None for c in curves.values()):
+                low = min(((c.expected_agreement(g, g * share), t, c) for t, c in curves.items()),
+                          key=lambda x: x[0])
+            return Point(weights, path, g, share, int(fixed + sparse * layer * g),
+                         int(fixed + sparse * layer * g * share), low and low[0],
+                         low[1] if low else "", low[2] if low else None)
+
+        for share in shares:
+            fitting.append(point(g_max, share))
+            if target is not None:
+                need = max((c.load_ratio_for(target, share) or 2.0) for c in curves.values())
+                if need <= g_max + 1e-9:
+                    meeting.append(point(need, share))
+    if target is not None and meeting:
+        best = min(meeting, key=lambda p: (p.read, p.resident))
+        room = f" (the memory budget would allow up to {g_max_of(fitting, best):.3f})" \
+            if budget is not None else ""
+        return _done(best, "min_agreement", f"min_agreement {target:.2f} -> load_ratio "
+                     f"{best.load_ratio:g}{room}", log)
+    if not fitting:
+        raise ValueError("no point to run at: " + "; ".join(reasons))
+    # the best agreement; without curves, compute every loaded neuron (phi = gamma); then fastest
+    best = max(fitting, key=lambda p: (-1.0 if p.agreement is None else p.agreement, p.share,
+                                       -p.read))
+    if target is not None:
+        if budget is None:
+            raise ValueError(f"min_agreement {target:.2f}: no load_ratio <= 1 reaches it"
+                             + (f" ({'; '.join(reasons)})" if reasons else ""))
+        return _done(best, "memory_budget", f"min_agreement {target:.2f} is not met within the "
+                     f"memory budget of {opts.memory_budget_mb:g} MiB; running below the "
+                     f"agreement target at the best point that fits", log)
+    return _done(best, "memory_budget", f"memory budget {opts.memory_budget_mb:g} MiB -> "
+                 f"load_ratio {best.load_ratio:.3f}", log)
+
+
+def g_max_of(points: list[Point], like: Point) -> float:
+    """The largest gamma that fits among ``points`` of ``like``'s records."""
+    return max((p.load_ratio for p in points if p.weights == like.weights), default=1.0)
+
+
+def _done(p: Point, bound: str, why: str, log: Callable[[str], None]) -> LoadRatioChoice:
+    message = f"{why}: running {p.describe()}; bound: {bound}"
+    log(f"[load] {message}")
+    if p.curve is not None and p.curve.too_small:
+        log(f"[load] warning: the {p.task} curve counts only {p.curve.tokens} held-out tokens: "
+            f"the interval above is wide; re-measure it with more (`selectinfer profile --task "
+            f"{p.task} --curve-only --heldout FILE`)")
+    return LoadRatioChoice(p.load_ratio, bound, message, p.agreement, p.weights, p.share, p.path)

@@ -1,0 +1,95 @@
+"""Choosing records, gamma and phi together from the measured curves (memory_budget_mb,
+min_agreement): which point runs, and the log line that names it, its interval and the bound."""
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from selectinfer_ros.core.options import ModelOptions
+from selectinfer_ros.core.selection.profiles import QualityCurve, load_profile
+
+
+@pytest.fixture(scope="module")
+def two_packs(tiny_models, tiny_profiles, tmp_path_factory):
+    """The tiny Llama as float and int8 records, and profiles whose curves say: int8 agrees 0.03
+    less than float everywhere; phi = 0.7 gamma costs 0.1."""
+    from selectinfer_ros.core.format.pack import pack
+    hf, packed = tiny_models["tiny-llama"]
+    root = tmp_path_factory.mktemp("choice")
+    int8 = pack(hf, root / "packed-int8", weights="int8", log=lambda s: None).path
+    d = root / "profiles"
+    shutil.copytree(tiny_profiles["tiny-llama"], d)
+    gammas = [0.5, 0.7, 0.9, 1.0]
+    full = torch.tensor([[0.70], [0.80], [0.90], [1.0]])
+    agree = torch.cat([full - 0.1, full], 1)
+    for task in ("alpha", "beta"):
+        prof = load_profile(d / f"{task}.safetensors")
+        curve = QualityCurve(gammas, [0.7, 1.0], agree, 1 - agree, "", 40, 2500, "h.jsonl")
+        prof.set_quality_curve(curve)
+        prof.set_quality_curve(replace(curve, agreement=agree - 0.03, weights="int8"))
+        prof.save(d / f"{task}.safetensors")
+    return {"int8": str(int8), "float": str(packed)}, d
+
+
+def _choose(packs, profiles, **kw):
+    from selectinfer_ros.core.serving.choice import choose_point
+    logs: list[str] = []
+    return choose_point(ModelOptions(**kw), packs, profiles, logs.append), "\n".join(logs)
+
+
+def test_min_agreement_runs_the_fastest_point_that_meets_it(two_packs):
+    packs, d = two_packs
+    c, log = _choose(packs, d, min_agreement=0.8)
+    # int8 reads fewer bytes at any gamma; int8 needs 0.8 + 0.03 -> gamma 0.76 at phi = gamma,
+    # or 0.93 at phi = 0.7 gamma (reads 0.65 of the FFN: less than 0.76)
+    assert c.weights == "int8" and c.bound == "min_agreement"
+    assert c.compute_share == pytest.approx(0.7) and c.load_ratio == pytest.approx(0.93)
+    assert c.expected_agreement >= 0.8 - 1e-6  # float32 tables
+    assert "min_agreement 0.80 -> load_ratio 0.93" in log and "bound: min_agreement" in log
+    assert "int8 records" in log and "95 % CI over 2500 held-out tokens" in log
+    assert "warning" not in log
+    c, _ = _choose(packs, d, min_agreement=0.8, load_ratio=1.0, compute_ratio=1.0)  # phi fixed
+    assert c.weights == "int8" and c.compute_share == 1.0 and c.load_ratio == pytest.approx(0.76)
+
+
+def test_memory_budget_runs_the_best_agreement_that_fits(two_packs):
+    from selectinfer_ros.core.selection.loader import SelectiveModel
+    packs, d = two_packs
+    sizes = {w: SelectiveModel(p).weight_bytes()["total"] for w, p in packs.items()}
+    assert sizes["int8"] < sizes["float"]
+    c, log = _choose(packs, d, memory_budget_mb=(sizes["float"] + 1024) / 2**20)
+    assert c.weights == "float" and c.load_ratio == 1.0 and c.compute_share == 1.0  # the dense model
+    c, log = _choose(packs, d, memory_budget_mb=(sizes["int8"] + 1024) / 2**20)
+    assert c.weights == "int8" and c.load_ratio == 1.0 and c.bound == "memory_budget"
+    assert "memory budget" in log and "bound: memory_budget" in log
+
+
+def test_a_target_out_of_the_budgets_reach_runs_the_best_that_fits_and_says_so(two_packs):
+    from selectinfer_ros.core.selection.loader import SelectiveModel
+    packs, d = two_packs
+    int8 = SelectiveModel(packs["int8"]).weight_bytes()
+    budget = int8["other"] + 0.8 * int8["ffn"]  # room for gamma 0.8 of int8 records
+    c, log = _choose(packs, d, min_agreement=0.99, memory_budget_mb=budget / 2**20)
+    assert c.bound == "memory_budget" and c.weights == "int8" and 0.7 < c.load_ratio <= 0.8
+    assert c.compute_share == 1.0  # the best agreement that fits computes every loaded neuron
+    assert "min_agreement 0.99 is not met" in log and "bound: memory_budget" in log
+    assert _choose(packs, d, min_agreement=0.99)[0].weights == "float"  # only float reaches it
+    with pytest.raises(ValueError, match="no load_ratio <= 1 reaches it"):
+        _choose({"int8": packs["int8"]}, d, min_agreement=0.99)
+
+
+def test_a_small_curve_warns_with_its_interval(two_packs, tmp_path):
+    packs, d = two_packs
+    small = tmp_path / "p"
+    shutil.copytree(d, small)
+    for task in ("alpha", "beta"):
+        prof = load_profile(small / f"{task}.safetensors")
+        prof.set_quality_curve(replace(prof.quality_curve("int8"), tokens=65))
+        prof.save(small / f"{task}.safetensors")
+    c, log = _choose({"int8": packs["int8"]}, small, min_agreement=0.8)
+    assert c.weights == "int8"
+    assert "warning" in log and "only 65 held-out tokens" in log
+    assert "95 % CI over 65 held-out tokens" in log
