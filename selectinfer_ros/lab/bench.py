@@ -328,21 +328,28 @@ def row_of(s: Subject, dense: Subject, model_id: str, bw: float, args, threads: 
 
 
 def int8_pack_of(packed: Path, log) -> Path:
-    """The int8 pack (``pack --weights int8``) of a float packed model, made once beside it from
-    the checkpoint it was packed from."""
+    """The int8 pack (``pack --weights int8``) of a float packed model (see :func:`pack_of`)."""
+    return pack_of(packed, "int8", log)
+
+
+def pack_of(packed: Path, weights: str, log) -> Path:
+    """The ``pack --weights WEIGHTS`` pack of a float packed model: the model itself for its own
+    format, else ``<packed>-<weights>`` beside it, made once from the checkpoint it was packed from."""
     from ..core.format.filelock import exclusive_lock
     from ..core.format.pack import is_packed, pack
-    target = packed.with_name(packed.name + "-int8")
-    with exclusive_lock(packed.parent / ".int8.lock", log, "the int8 pack"):
+    m = read_manifest(packed)
+    if m.weights == weights:
+        return packed
+    target = packed.with_name(f"{packed.name}-{weights}")
+    with exclusive_lock(packed.parent / f".{weights}.lock", log, f"the {weights} pack"):
         if is_packed(target):
             return target
         src = Path(json.loads((packed / "manifest.json").read_text()).get("source", ""))
         if not (src / "config.json").exists():
-            raise FileNotFoundError(f"{packed}: its checkpoint {src} is gone; make the int8 pack "
-                                    f"with `selectinfer pack HF_DIR {target} --weights int8`")
-        m = read_manifest(packed)
-        log(f"[bench] packing int8 weights of {m.model_id} (once) -> {target}")
-        pack(src, target, model_id=m.model_id, dtype=m.dtype, weights="int8", log=log)
+            raise FileNotFoundError(f"{packed}: its checkpoint {src} is gone; make the {weights} "
+                                    f"pack with `selectinfer pack HF_DIR {target} --weights {weights}`")
+        log(f"[bench] packing {weights} weights of {m.model_id} (once) -> {target}")
+        pack(src, target, model_id=m.model_id, dtype=m.dtype, weights=weights, log=log)
     return target
 
 
