@@ -129,8 +129,9 @@ def register(sub) -> None:
                    help="load ratios of ours, each with phi = gamma and 0.7 gamma "
                         "(default 1 0.9 0.8 0.7 0.6 0.5)")
     p.add_argument("--no-quant", action="store_true", help="skip torch int8/int4 weight-only")
-    p.add_argument("--tokens", type=int, default=2048,
-                   help="held-out tokens to score (default 2048; fewer when the text is short)")
+    p.add_argument("--tokens", type=int, default=2040,
+                   help="held-out tokens to score (default 2040: 8 chunks of 512; fewer when "
+                        "the text is short)")
     p.add_argument("--ctx", type=int, default=512, help="chunk length; the second half of each "
                                                         "chunk is scored (default 512)")
     add_option(p, ModelOptions, "num_threads", "--threads", dest="threads", default=1,
@@ -140,5 +141,8 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=3, help="decode runs per configuration; the "
                                                           "median is kept (default 3)")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens per decode run (default 16)")
+    p.add_argument("--base", help="the dense model's log-probs from an earlier run on the same "
+                                  "tokens (llama-perplexity's --kl-divergence-base layout) instead "
+                                  "of computing them")
     p.add_argument("--out", help="folder for frontier.json and frontier.png")
     p.set_defaults(func=cmd_frontier)

@@ -186,13 +186,33 @@ def chunk_logits(engine, chunk: np.ndarray) -> torch.Tensor:
     return engine.score(ids[:first + 1], ids[first + 1:]).float()
 
 
-def kl_and_top(logits: torch.Tensor, base_lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class Reference:
+    """One chunk's reference log-probs, prepared once for scoring many configurations:
+    p = exp(log p) where log p > -16 (else 0), per row sum p, sum p log p and the top token."""
+
+    p: torch.Tensor  # [m, V]
+    sum_p: torch.Tensor  # [m]
+    sum_p_log_p: torch.Tensor  # [m]
+    top: torch.Tensor  # [m]
+
+    @classmethod
+    def of(cls, base_lp: torch.Tensor) -> "Reference":
+        p = torch.where(base_lp > LOG_P_FLOOR, base_lp.exp(), torch.zeros_like(base_lp))
+        return cls(p, p.sum(-1), (p * base_lp).sum(-1), base_lp.argmax(-1))
+
+
+def kl_and_top(logits: torch.Tensor, ref: Reference | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position: KL(reference || this) in nats over the reference's tokens above e^-16, and
-    whether the top tokens agree (first maximum, as llama-perplexity's "Same top p")."""
-    lp = torch.log_softmax(logits.float(), -1)
-    keep = base_lp > LOG_P_FLOOR
-    kl = torch.where(keep, base_lp.exp() * (base_lp - lp), torch.zeros_like(lp)).sum(-1)
-    return kl, logits.argmax(-1) == base_lp.argmax(-1)
+    whether the top tokens agree (first maximum, as llama-perplexity's "Same top p").
+    KL = sum p (log p - x + lse(x)) with x = logits - max, p as in :class:`Reference`."""
+    ref = ref if isinstance(ref, Reference) else Reference.of(ref)
+    x = logits.float()
+    top = x.argmax(-1)
+    x = x - x.max(-1, keepdim=True).values
+    lse = torch.logsumexp(x, -1)
+    dot = torch.bmm(ref.p.unsqueeze(1), x.unsqueeze(2)).view(-1)  # [m]: sum_i p_i x_i
+    return ref.sum_p_log_p - dot + lse * ref.sum_p, top == ref.top
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -206,11 +226,12 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, min(p, c - h)), min(1.0, max(p, c + h))
 
 
-def score_engine(engine, base: BaseFile) -> dict:
-    """Agreement (with its Wilson interval) and mean KL of ``engine`` on the base file's tokens."""
+def score_engine(engine, base: BaseFile, refs: list[Reference] | None = None) -> dict:
+    """Agreement (with its Wilson interval) and mean KL of ``engine`` on the base file's tokens
+    (``refs``: the base file's chunks prepared, else read again)."""
     same = total = 0
     kl = 0.0
-    for chunk, ref in zip(base.tokens, base.chunks()):
+    for chunk, ref in zip(base.tokens, refs or (Reference.of(lp) for lp in base.chunks())):
         k, s = kl_and_top(chunk_logits(engine, chunk), ref)
         same += int(s.sum())
         total += int(s.numel())
@@ -400,30 +421,21 @@ def run(args: argparse.Namespace, log: Log = _log) -> list[dict]:
     try:
         t0 = time.perf_counter()
         dense, _ = load_dense(model_path)
-        base = write_base(Engine(dense, tok), chunks, work / "dense-logits.kld", log)
+        if args.base:  # a reference file of an earlier run (same model, same tokens)
+            base = BaseFile.read(args.base)
+            if base.tokens.shape != chunks.shape or not np.array_equal(base.tokens, chunks):
+                raise ValueError(f"{args.base} holds other tokens than this run's held-out chunks")
+            log(f"[frontier] dense reference: {args.base} (--base)")
+        else:
+            base = write_base(Engine(dense, tok), chunks, work / "dense-logits.kld", log)
         dense_bytes = _unique_bytes(dense)
+        refs = [Reference.of(lp) for lp in base.chunks()]  # [n_chunk] x [m, V] float32, once
         g = torch.Generator().manual_seed(0)  # the decode runs' prompt, as bench's
         prompt = [int(t) for t in torch.randint(10, min(dense.config.vocab_size, 30000), (32,),
                                                 generator=g)]
         if llama_dir is not None:
             for row in llama_rows(llama_dir, manifest.model_id, base, args, log):
                 add(row)
-        if not args.no_quant:
-            from .quantize import quantize_model
-            for bits in (8, 4):
-                model, _ = load_dense(model_path)
-                try:
-                    model = quantize_model(model, bits)
-                except (RuntimeError, ValueError) as e:
-                    log(f"[frontier] torch int{bits} skipped: {e}")
-                    continue
-                eng = Engine(model, tok)
-                add({"name": f"torch int{bits} weight-only", "source": "torch", "weights": f"int{bits}",
-                     "load_ratio": 1.0, "compute_ratio": 1.0, "weight_bytes": _unique_bytes(model),
-                     **score_engine(eng, base),
-                     "decode_tokens_per_second": speed(eng, None, prompt, args.threads,
-                                                       args.repeats, args.new_tokens)})
-                del model, eng
         del dense
         gammas = tuple(args.gammas or GAMMAS) if task else (1.0,)
         for weights in formats:
@@ -436,13 +448,29 @@ def run(args: argparse.Namespace, log: Log = _log) -> list[dict]:
                 eng = Engine.from_selective(sm)
                 for phi in phis:
                     sm.set_compute_ratio(phi)
-                    q = score_engine(eng, base)
+                    q = score_engine(eng, base, refs)
                     tps = speed(eng, phi, prompt, args.threads, args.repeats, args.new_tokens)
                     add({"name": f"selectinfer {weights} {gamma:g}/{phi:g}", "source": "selectinfer",
                          "weights": weights, "load_ratio": gamma, "compute_ratio": phi,
                          "weight_bytes": sm.weight_bytes()["total"], **q,
                          "decode_tokens_per_second": tps})
                 del sm, eng
+        if not args.no_quant:
+            from .quantize import quantize_model
+            for bits in (8, 4):
+                model, _ = load_dense(model_path)
+                try:
+                    model = quantize_model(model, bits)
+                except (RuntimeError, ValueError) as e:
+                    log(f"[frontier] torch int{bits} skipped: {e}")
+                    continue
+                eng = Engine(model, tok)
+                add({"name": f"torch int{bits} weight-only", "source": "torch", "weights": f"int{bits}",
+                     "load_ratio": 1.0, "compute_ratio": 1.0, "weight_bytes": _unique_bytes(model),
+                     **score_engine(eng, base, refs),
+                     "decode_tokens_per_second": speed(eng, None, prompt, args.threads,
+                                                       args.repeats, args.new_tokens)})
+                del model, eng
         log(f"[frontier] {len(rows)} rows in {time.perf_counter() - t0:.0f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)

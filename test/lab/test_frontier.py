@@ -119,15 +119,19 @@ def test_kl_and_top_against_the_reference():
     other[:, 0] = logits.max(-1).values + 5  # token 0 now always on top
     kl2, same2 = fr.kl_and_top(other, base)
     assert (same2 == (logits.argmax(-1) == 0)).all() and (kl2 > 0.1).all()
+    # perplexity.cpp's sum over the reference's tokens above e^-16 of p_base (log p_base - log p)
+    lp = torch.log_softmax(other, -1)
+    want = torch.where(base > -16, base.exp() * (base - lp), torch.zeros_like(lp)).sum(-1)
+    assert torch.allclose(kl2, want, atol=1e-4)
     lo, hi = fr.wilson(50, 100)
     assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
     assert fr.wilson(100, 100)[1] == pytest.approx(1.0) and fr.wilson(100, 100)[0] == pytest.approx(0.963, abs=1e-3)
 
 
 def test_llama_perplexity_output_parses():
-    """test/lab/data/llama_perplexity_kld_gemma3_q4_0.txt: real ``llama-perplexity
+    """test/lab/data/llama_perplexity_kld_gemma3_q8_0.txt: real ``llama-perplexity
     --kl-divergence`` output (see data/README.md)."""
-    out = (DATA / "llama_perplexity_kld_gemma3_q4_0.txt").read_text()
+    out = (DATA / "llama_perplexity_kld_gemma3_q8_0.txt").read_text()
     top, kl = fr.parse_perplexity(out)
     assert 0.5 < top < 1.0 and 0.0 < kl < 1.0
     assert f"Same top p: {100 * top:6.3f}" in out and f"Mean    KLD: {kl:10.6f}" in out
