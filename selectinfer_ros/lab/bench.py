@@ -161,7 +161,7 @@ def build_subjects(args, model_path: Path, profiles: Path | None, log) -> list[S
         subjects.append(hf)
     by_gamma: dict[tuple[str, float], SelectiveModel] = {}
     for weights in args.weights:
-        path = model_path if weights == "float" else int8_pack_of(model_path, log, weights)
+        path = model_path if weights == "float" else pack_of(model_path, weights, log)
         for gamma, phi in grid:
             tag = "" if weights == "float" else f" {weights}"
             s = Subject(f"selectinfer{tag} {gamma:g}/{phi:g}", "selectinfer", gamma, phi,
@@ -330,11 +330,14 @@ def row_of(s: Subject, dense: Subject, model_id: str, bw: float, args, threads: 
     return row
 
 
-def int8_pack_of(packed: Path, log, weights: str = "int8") -> Path:
-    """The int8 (or ``weights``: q4) pack (``pack --weights int8``) of a float packed model, made
-    once beside it from the checkpoint it was packed from."""
+def pack_of(packed: Path, weights: str, log) -> Path:
+    """The ``pack --weights WEIGHTS`` pack of a float packed model: the model itself for its own
+    format, else ``<packed>-<weights>`` beside it, made once from the checkpoint it was packed from."""
     from ..core.format.filelock import exclusive_lock
     from ..core.format.pack import is_packed, pack
+    m = read_manifest(packed)
+    if m.weights == weights:
+        return packed
     target = packed.with_name(f"{packed.name}-{weights}")
     with exclusive_lock(packed.parent / f".{weights}.lock", log, f"the {weights} pack"):
         if is_packed(target):
@@ -343,7 +346,6 @@ def int8_pack_of(packed: Path, log, weights: str = "int8") -> Path:
         if not (src / "config.json").exists():
             raise FileNotFoundError(f"{packed}: its checkpoint {src} is gone; make the {weights} "
                                     f"pack with `selectinfer pack HF_DIR {target} --weights {weights}`")
-        m = read_manifest(packed)
         log(f"[bench] packing {weights} weights of {m.model_id} (once) -> {target}")
         pack(src, target, model_id=m.model_id, dtype=m.dtype, weights=weights, log=log)
     return target
@@ -380,7 +382,7 @@ def resolve_model(args, log, llama_dir: Path | None = None) -> tuple[Path, Path 
             write_checkpoint()
         for w in args.weights:  # the quantized packs: made from the checkpoint, which then goes
             if w != "float":
-                int8_pack_of(packed, log, w)
+                pack_of(packed, w, log)
         if need_gguf:
             try:
                 llama_cpp.convert_random(llama_dir, root / "hf", model_id, log)

@@ -1,4 +1,4 @@
-"""The lab's ``selectinfer`` subcommands (bench, eval, eval-choices): their options, and the
+"""The lab's ``selectinfer`` subcommands (bench, eval, eval-choices, frontier): their options, and the
 command functions, imported only when a subcommand runs (``selectinfer --help`` loads no torch).
 
 Spelling shared with the rest of the CLI: ``--model``, ``--profiles``, ``--task``, ``--device``,
@@ -26,6 +26,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_frontier(args: argparse.Namespace) -> int:
+    from .frontier import cmd_frontier as run
+    return run(args)
+
+
 def cmd_eval_choices(args: argparse.Namespace) -> int:
     from .choice_eval import cmd_eval_choices as run
     return run(args)
@@ -37,7 +42,7 @@ def _model(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
-    """Add ``bench``, ``eval`` and ``eval-choices`` to the ``selectinfer`` subparsers."""
+    """Add ``bench``, ``eval``, ``eval-choices`` and ``frontier`` to the ``selectinfer`` subparsers."""
     p = sub.add_parser("bench", help="speed and memory of dense, SelectInfer and quantized, "
                                      "interleaved in one process")
     _model(p)
@@ -113,3 +118,37 @@ def register(sub) -> None:
     add_option(p, ModelOptions, "num_threads", "--threads", dest="threads", default=1)
     p.add_argument("--out", help="JSON report file")
     p.set_defaults(func=cmd_eval_choices)
+
+    p = sub.add_parser("frontier", help="agreement with dense vs memory and speed of every "
+                                        "configuration (ours, torch int8/int4, llama.cpp quants) "
+                                        "on one set of held-out tokens")
+    _model(p)
+    add_option(p, ModelOptions, "task", help="profile for the selection (default: 'general', "
+                                             "else the first listed)")
+    p.add_argument("--data", help="text or JSONL file of held-out text (default: the eval sets, "
+                                  "data/eval)")
+    p.add_argument("--llama-cpp", help="llama.cpp build folder with llama-bench, llama-quantize "
+                   "and llama-perplexity, or `auto`: the build of scripts/build_llama_cpp.sh; adds "
+                   "F16, Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_0, Q3_K_M rows scored on the same tokens")
+    p.add_argument("--weights", nargs="+", help="pack --weights formats of ours (default: all)")
+    p.add_argument("--gammas", nargs="+", type=float, metavar="G",
+                   help="load ratios of ours, each with phi = gamma and 0.7 gamma "
+                        "(default 1 0.9 0.8 0.7 0.6 0.5)")
+    p.add_argument("--no-quant", action="store_true", help="skip torch int8/int4 weight-only")
+    p.add_argument("--tokens", type=int, default=2040,
+                   help="held-out tokens to score (default 2040: 8 chunks of 512; fewer when "
+                        "the text is short)")
+    p.add_argument("--ctx", type=int, default=512, help="chunk length; the second half of each "
+                                                        "chunk is scored (default 512)")
+    add_option(p, ModelOptions, "num_threads", "--threads", dest="threads", default=1,
+               help="threads of the decode speed runs")
+    p.add_argument("--score-threads", type=int, help="threads of the scoring passes (default: "
+                                                     "torch's)")
+    p.add_argument("--repeats", type=int, default=3, help="decode runs per configuration; the "
+                                                          "median is kept (default 3)")
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens per decode run (default 16)")
+    p.add_argument("--base", help="the dense model's log-probs from an earlier run on the same "
+                                  "tokens (llama-perplexity's --kl-divergence-base layout) instead "
+                                  "of computing them")
+    p.add_argument("--out", help="folder for frontier.json and frontier.png")
+    p.set_defaults(func=cmd_frontier)

@@ -35,11 +35,11 @@ def _exe(d: Path, name: str) -> Path:
     return d / "bin" / name if (d / "bin" / name).exists() else d / name
 
 
-def find_build(arg: str) -> Path:
-    """The llama.cpp build to bench: ``auto`` = the one of scripts/build_llama_cpp.sh, else a build
-    folder with llama-bench and llama-quantize (in it or in its bin/)."""
+def find_build(arg: str, tools: tuple[str, ...] = ("llama-bench", "llama-quantize")) -> Path:
+    """The llama.cpp build to use: ``auto`` = the one of scripts/build_llama_cpp.sh, else a build
+    folder with ``tools`` (in it or in its bin/)."""
     d = build_dir() if arg == "auto" else Path(arg).expanduser()
-    for exe in ("llama-bench", "llama-quantize"):
+    for exe in tools:
         if not _exe(d, exe).exists():
             how = (f"build it with `bash {BUILD_SCRIPT}` (about 15 min on 2 cores, once)"
                    if arg == "auto" else f"or use `--llama-cpp auto` after `bash {BUILD_SCRIPT}`")
@@ -56,14 +56,15 @@ def gguf_path(model_id: str, qtype: str) -> Path:
     return gguf_dir(model_id) / f"{model_id}-{qtype.lower()}.gguf"
 
 
-def quantized(d: Path, source: Path, model_id: str, log: Log) -> dict[str, Path]:
-    """GGUFs of ``source``'s weights in each of TYPES, made once with ``llama-quantize
+def quantized(d: Path, source: Path, model_id: str, log: Log,
+              types: tuple[str, ...] = TYPES) -> dict[str, Path]:
+    """GGUFs of ``source``'s weights in each of ``types``, made once with ``llama-quantize
     --allow-requantize``. Q4_K_M too, although the embedded model ships as Q4_K_M: that file keeps
     its embedding table in Q8_0, so llama.cpp's own Q4_K_M recipe is what the row shows."""
     from ..core.format.filelock import exclusive_lock
     out: dict[str, Path] = {}
     with exclusive_lock(gguf_dir(model_id) / ".lock", log, "llama.cpp GGUFs"):
-        for qtype in TYPES:
+        for qtype in types:
             target = gguf_path(model_id, qtype)
             if not target.exists():
                 log(f"[bench] llama-quantize {source.name} -> {target.name} (once)")
@@ -161,6 +162,12 @@ def _gguf_module(d: Path | None):
         sys.path.insert(0, str(conv / "gguf-py"))
         import gguf
     return gguf
+
+
+def tensor_bytes(path: Path, d: Path | None = None) -> int:
+    """Bytes of the GGUF's tensor data (the weights llama.cpp holds; the file adds metadata such
+    as the tokenizer's vocabulary)."""
+    return sum(int(t.n_bytes) for t in _gguf_module(d).GGUFReader(str(path)).tensors)
 
 
 def bytes_per_decode_token(path: Path, d: Path | None = None) -> int:

@@ -60,3 +60,55 @@ def quality_curve_plot(curves: dict, path: str | Path, title: str = "") -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+SOURCE_MARKERS = {"selectinfer": "o", "torch": "^", "llama.cpp": "*"}
+
+
+def frontier_plot(rows: list[dict], front: list[int], path: str | Path, title: str = "") -> Path:
+    """Agreement with dense (95% interval bars) against resident weight MiB: marker by source,
+    colour by decode tok/s, the Pareto front as a step line; front and llama.cpp points labelled."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import cm, colors
+
+    fig, ax = plt.subplots(figsize=(9, 6))
+    speeds = [r["decode_tokens_per_second"] for r in rows]
+    norm = colors.Normalize(vmin=min(speeds), vmax=max(speeds))
+    cmap = cm.viridis
+    for source, marker in SOURCE_MARKERS.items():
+        pts = [r for r in rows if r["source"] == source]
+        if not pts:
+            continue
+        x = [r["weight_bytes"] / 2**20 for r in pts]
+        y = [r["agreement"] for r in pts]
+        err = [[r["agreement"] - r["agreement_ci_low"] for r in pts],
+               [r["agreement_ci_high"] - r["agreement"] for r in pts]]
+        ax.errorbar(x, y, yerr=err, fmt="none", ecolor="0.7", elinewidth=0.8, zorder=1)
+        ax.scatter(x, y, c=[r["decode_tokens_per_second"] for r in pts], cmap=cmap, norm=norm,
+                   marker=marker, s=140 if marker == "*" else 50, edgecolors="k", linewidths=0.4,
+                   label=source, zorder=2)
+    on = [rows[i] for i in front]
+    ax.step([r["weight_bytes"] / 2**20 for r in on], [r["agreement"] for r in on], where="post",
+            color="C3", lw=1.2, label="Pareto front", zorder=0)
+    for i, r in enumerate(rows):
+        if i in front or r["source"] == "llama.cpp":
+            ax.annotate(r["name"].replace("selectinfer ", ""), (r["weight_bytes"] / 2**20, r["agreement"]),
+                        textcoords="offset points", xytext=(4, -9), fontsize=6.5)
+    fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax,
+                 label=f"decode tokens/s ({rows[0].get('threads', 1)} thread(s))")
+    ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.set_xlabel("resident weights (MiB, log scale)")
+    ax.set_ylabel("top-token agreement with the dense float model")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

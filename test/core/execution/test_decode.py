@@ -143,8 +143,8 @@ def test_embedded_int8_kernel_equals_torch_ops(embedded, embedded_profiles):
     """On the embedded model, teacher-forced on its own greedy continuation: a deeper model
     meets more rounding steps (3 to 10 of 24 steps equal to float rounding, depending on the
     continuation), so the bound is on the spread and the top token."""
-    from selectinfer_ros.lab.bench import int8_pack_of
-    sm = SelectiveModel(int8_pack_of(embedded, lambda s: None), embedded_profiles, "qa",
+    from selectinfer_ros.lab.bench import pack_of
+    sm = SelectiveModel(pack_of(embedded, "int8", lambda s: None), embedded_profiles, "qa",
                         load_ratio=0.7, static_ratio=0.3, compute_ratio=0.5)
     prompt = sm.tokenizer("Question: Which planet is known as the red planet?\nAnswer:")["input_ids"]
     cont = Engine.from_selective(sm).generate(prompt, GenerationConfig(max_new_tokens=24,
