@@ -45,7 +45,8 @@ ARGUMENTS = (
     ('params_file', '', 'parameters YAML (default: config/jetson_orin_nano.yaml of the package)'),
     ('model', '', 'packed model folder (params_file value if empty; there, empty = the '
                   'embedded Gemma 3 270M)'),
-    ('weights', '', 'records of the embedded model: int8 or float (params_file value if empty; '
+    ('weights', '', 'records of the embedded model: int8, int8-q4emb, q4, float, ... '
+                    '(params_file value if empty; '
                     'there, empty = int8 on a CPU, float on CUDA)'),
     ('task', '', 'initial task profile (params_file value if empty; there, empty = general)'),
     ('load_ratio', '', 'gamma: share of MLP neurons resident (params_file value if empty)'),

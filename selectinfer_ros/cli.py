@@ -13,6 +13,7 @@ from pathlib import Path
 from .core.execution.escapes import process_escapes
 from .core.options import ModelOptions, ParamError, add_arguments, add_option, from_namespace
 from .core.format.progress import log_line as _log
+from .core.format.weights import WEIGHTS
 
 
 def _model_path(arg: str | None) -> str:
@@ -312,9 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", help="packed model folder to write")
     p.add_argument("--model-id", help="name stored in the manifest (default: the folder name)")
     p.add_argument("--dtype", help="float dtype of what is not int8 (default: the checkpoint's)")
-    p.add_argument("--weights", default="float", metavar="{float,int8,int8-ffn,q4,q4-all}",
+    p.add_argument("--weights", default="float", choices=WEIGHTS,
                    help="float (default); int8: neuron records, attention and output layer as "
-                        "int8 rows with per-row scales; int8-ffn: only the neuron records; q4: "
+                        "int8 rows with per-row scales; int8-ffn: only the neuron records; "
+                        "int8-q4emb: int8, but the embedding / output layer as 4-bit rows; q4: "
                         "neuron records as 4-bit rows (blocks of 32, float16 scale), attention "
                         "and output layer int8; q4-all: those 4-bit too")
     p.set_defaults(func=cmd_pack)

@@ -13,9 +13,11 @@ import math
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any, Callable
 
+from .format.weights import WEIGHTS
+
 DEFAULT_STATIC_RATIO = 0.3
 SELECTIONS = ("auto", "published", "sensitivity", "shared-sensitivity", "random")
-WEIGHT_FORMATS = ("", "int8", "float")  # records of the embedded model; "" = auto
+WEIGHT_FORMATS = ("",) + WEIGHTS  # records of the embedded model; "" = auto
 DTYPES = ("", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16", "auto")
 KINDS = {"str": str, "float": float, "int": int, "bool": bool}
 
@@ -69,7 +71,8 @@ class ModelOptions:
     """The model to serve and how much of it is loaded and computed."""
 
     model: str = _model()
-    weights: str = param("", "records of the embedded model: int8 or float; empty = int8 on a CPU "
+    weights: str = param("", "records of the embedded model (a `selectinfer pack --weights` "
+                         "format: int8, int8-q4emb, q4, float, ...); empty = int8 on a CPU "
                          "(the int8 kernel), float on CUDA, or chosen with the gamma by "
                          "memory_budget_mb / min_agreement; a model folder keeps its own",
                          choices=WEIGHT_FORMATS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from ..core.format.paths import DATA_DIR
+from ..core.format.weights import WEIGHTS
 from ..core.options import ModelOptions, add_option
 
 GRID_HELP = ("gamma,phi pairs (load_ratio,compute_ratio), space-separated, e.g. "
@@ -58,7 +59,7 @@ def register(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens decoded (default 32)")
     p.add_argument("--grid", nargs="+", metavar="G,P",
                    help=f"{GRID_HELP} (default 1,1 0.9,0.7 0.7,0.7 0.7,0.5 0.5,0.35)")
-    p.add_argument("--weights", nargs="+", choices=["float", "int8", "q4"], default=None,
+    p.add_argument("--weights", nargs="+", choices=WEIGHTS, default=None,
                    help="SelectInfer rows over float, int8 and/or 4-bit (q4) neuron records "
                         "(default: all three; --quick: float)")
     p.add_argument("--no-quant", action="store_true", help="skip torch int8/int4 weight-only")

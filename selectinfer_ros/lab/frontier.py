@@ -38,7 +38,8 @@ from . import llama_cpp
 
 GAMMAS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 PHI_SHARES = (1.0, 0.7)  # phi / gamma
-LLAMA_TYPES = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M")
+LLAMA_TYPES = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M",
+               "Q8_0+Q4_0-embd", "Q4_0+Q4_0-embd")  # also int8-q4emb's idea in llama.cpp's recipe
 TOOLS = ("llama-bench", "llama-quantize", "llama-perplexity")
 BUDGETS_MIB = (150, 250, 400, 1000)
 MAGIC = b"_logits_"
@@ -405,8 +406,9 @@ def run(args: argparse.Namespace, log: Log = _log) -> list[dict]:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="frontier-", dir=args.out or None))  # the base file
+    from ..core.format.kernel import cpu_description
     common = {"model": manifest.model_id, "threads": args.threads, "profile": task or "",
-              "heldout": what}
+              "heldout": what, "cpu": cpu_description()}
     rows: list[dict] = []
 
     def add(row: dict) -> None:
@@ -560,5 +562,7 @@ def cmd_frontier(args: argparse.Namespace) -> int:
                       title=f"{rows[0]['model']}: agreement with dense vs resident weights "
                             f"({rows[0]['tokens']} held-out tokens)")
         (out / "frontier.partial.json").unlink(missing_ok=True)
-        print(f"wrote {out / 'frontier.json'} and {out / 'frontier.png'}")
+        print(f"wrote {out / 'frontier.json'} and {out / 'frontier.png'}; copied into the "
+              f"model's profiles folder as frontier.json, it gives memory_budget_mb / "
+              f"min_agreement their measured speeds and format gaps")
     return 0

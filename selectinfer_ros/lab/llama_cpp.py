@@ -59,7 +59,7 @@ def gguf_path(model_id: str, qtype: str) -> Path:
 def quantized(d: Path, source: Path, model_id: str, log: Log,
               types: tuple[str, ...] = TYPES) -> dict[str, Path]:
     """GGUFs of ``source``'s weights in each of ``types``, made once with ``llama-quantize
-    --allow-requantize``. Q4_K_M too, although the embedded model ships as Q4_K_M: that file keeps
+    --allow-requantize`` (``FTYPE+EMB-embd``: ``FTYPE`` with ``--token-embedding-type EMB``). Q4_K_M too, although the embedded model ships as Q4_K_M: that file keeps
     its embedding table in Q8_0, so llama.cpp's own Q4_K_M recipe is what the row shows."""
     from ..core.format.filelock import exclusive_lock
     out: dict[str, Path] = {}
@@ -69,8 +69,10 @@ def quantized(d: Path, source: Path, model_id: str, log: Log,
             if not target.exists():
                 log(f"[bench] llama-quantize {source.name} -> {target.name} (once)")
                 tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-                res = subprocess.run([str(_exe(d, "llama-quantize")), "--allow-requantize",
-                                      str(source), str(tmp), qtype], capture_output=True,
+                ftype, _, embd = qtype.partition("+")  # "Q8_0+Q4_0-embd": a token embedding type
+                extra = ["--token-embedding-type", embd.removesuffix("-embd")] if embd else []
+                res = subprocess.run([str(_exe(d, "llama-quantize")), "--allow-requantize", *extra,
+                                      str(source), str(tmp), ftype], capture_output=True,
                                      text=True, timeout=1800)
                 if res.returncode != 0:
                     tmp.unlink(missing_ok=True)

@@ -109,6 +109,23 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
     return set()
 
 
+def cpu_description(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The CPU as a figure should name it: model name, x86 family/model, and the kernel's path
+    (``AMD EPYC (family 25 model 1), kernel avx2``)."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = info.get("model name") or info.get("Hardware") or platform.processor() or platform.machine()
+    if "cpu family" in info:
+        name += f" (family {info['cpu family']} model {info.get('model', '?')})"
+    k = kernel()
+    return f"{name}, kernel {k.isa if k is not None else 'none'}"
+
+
 def candidates(machine: str | None = None, flags: set[str] | None = None,
                forced: str | None = None) -> list[tuple[str, list[str]]]:
     """``(name, compiler flags)`` of the paths this CPU runs, best first (a compiler that does

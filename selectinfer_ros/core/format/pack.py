@@ -18,6 +18,8 @@ A packed model folder holds:
   neuron records are int8); ``q4`` keeps them int8 (4-bit attention and output rows cost too
   much agreement on the embedded model), ``q4-all`` stores them as 4-bit rows too: uint8
   nibbles ``<name>.weight`` ``[N, K / 2]`` and float16 ``<name>.scale`` ``[N, K / 32]``;
+  ``int8-q4emb`` keeps int8 neuron records and attention and stores only the token embedding /
+  output layer as 4-bit rows (the bytes of a small model with a large vocabulary);
 - ``checksums.safetensors``: int64 word sums of every neuron record (``layers.<l>.neurons``
   ``[I]``) and of every non-FFN tensor (its name, ``[1]``). The loader checks the records and
   tensors it reads; ``selectinfer verify`` checks everything.
@@ -41,6 +43,7 @@ from .architectures import architecture_for
 from .filelock import publish_dir, temp_dir_beside
 from .progress import progress
 from .safetensors_io import CountingReader, FormatError, StreamWriter, read_header
+from .weights import INT8_WEIGHTS, QUANTIZED_OTHER, Q4_WEIGHTS, WEIGHTS
 
 FORMAT = "selectinfer-packed"
 FORMAT_VERSION = 2
@@ -48,8 +51,6 @@ MANIFEST = "manifest.json"
 FFN_FILE = "ffn.safetensors"
 OTHER_FILE = "model.safetensors"
 CHECKSUM_FILE = "checksums.safetensors"
-WEIGHTS = ("float", "int8", "int8-ffn", "q4", "q4-all")  # what ``pack --weights`` may write
-Q4_WEIGHTS = ("q4", "q4-all")  # 4-bit neuron records
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja", "generation_config.json",
                    "vocab.json", "merges.txt")
@@ -77,7 +78,7 @@ class Manifest:
     @property
     def int8_ffn(self) -> bool:
         """The neuron records are int8 rows."""
-        return self.weights in ("int8", "int8-ffn")
+        return self.weights in INT8_WEIGHTS
 
     @property
     def q4_ffn(self) -> bool:
@@ -91,8 +92,8 @@ class Manifest:
     @property
     def int8_other(self) -> bool:
         """Attention projections and output layer / embedding are quantized too (int8, or
-        4-bit for ``q4``)."""
-        return self.weights in ("int8", "q4", "q4-all")
+        4-bit rows where :func:`is_q4_other` says)."""
+        return self.weights in QUANTIZED_OTHER
 
     @property
     def record_bytes(self) -> int:
@@ -309,17 +310,19 @@ def q4_record_rows(raw: torch.Tensor, hidden: int) -> torch.Tensor:
 
 def is_q4_other(name: str, shape: tuple[int, ...], weights: str) -> bool:
     """A non-FFN tensor that ``weights`` stores as 4-bit rows: with ``q4-all`` the ones
-    :func:`is_int8_other` names (``q4``: none; both keep rows whose length is not a multiple
-    of 32 in int8)."""
-    return weights == "q4-all" and is_int8_other(name, shape) and shape[1] % 32 == 0
+    :func:`is_int8_other` names, with ``int8-q4emb`` the token embedding and output layer
+    (others: none; rows whose length is not a multiple of 32 stay int8)."""
+    if not is_int8_other(name, shape) or shape[1] % 32:
+        return False
+    return weights == "q4-all" or (weights == "int8-q4emb" and not name.endswith("_proj.weight"))
 
 
 def pack(src: str | Path, out: str | Path, model_id: str | None = None,
          dtype: torch.dtype | None = None, weights: str = "float",
          log: Callable[[str], None] = print) -> Manifest:
     """Convert a Hugging Face checkpoint folder into a packed folder (layer by layer);
-    ``weights`` int8 / int8-ffn stores int8 rows with per-row scales, q4 / q4-all 4-bit rows
-    (see the module doc)."""
+    ``weights`` int8 / int8-ffn / int8-q4emb stores int8 rows with per-row scales, q4 / q4-all
+    4-bit rows (see the module doc)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     from transformers import AutoConfig
@@ -347,7 +350,7 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
     sums: dict[str, torch.Tensor] = {}
 
     meta = {"fingerprint": fp, "format": FORMAT, "version": str(FORMAT_VERSION)}
-    int8_ffn, q4_ffn = weights in ("int8", "int8-ffn"), weights in Q4_WEIGHTS
+    int8_ffn, q4_ffn = weights in INT8_WEIGHTS, weights in Q4_WEIGHTS
     if q4_ffn and H % 32:
         raise ValueError(f"--weights {weights}: 4-bit records need a hidden size that is a "
                          f"multiple of 32, {src} has {H}")
@@ -378,7 +381,7 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
         if is_q4_other(k, shape, weights):
             specs[k] = (torch.uint8, (shape[0], shape[1] // 2))
             specs[k.removesuffix(".weight") + ".scale"] = (torch.float16, (shape[0], shape[1] // 32))
-        elif weights in ("int8", "q4", "q4-all") and is_int8_other(k, shape):
+        elif weights in QUANTIZED_OTHER and is_int8_other(k, shape):
             specs[k] = (torch.int8, shape)
             specs[k.removesuffix(".weight") + ".scale"] = (torch.float32, shape[:1])
         else:

@@ -13,6 +13,12 @@ its 95 % Wilson interval). Rules:
   curves: phi = gamma), then the fastest. Bound: memory_budget.
 - both: the fastest point meeting both; when none does, memory wins (weights that do not fit
   cannot run): the best agreement that fits, and the log says the target is not met.
+
+With the model's measured frontier beside its profiles (:mod:`.measured`), "fastest" is the
+measured decode speed of the nearest measured point (else the fewest bytes read), the log names
+that speed and CPU, and a records format without task curves of its own takes the curve of
+another format corrected by the agreement gap between the two formats measured there. A point
+below a curve's measured gammas has no agreement figure (a clamped curve would flatter it).
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from typing import Callable
 
 from ..options import ModelOptions
 from ..selection.profiles import LoadRatioChoice, ProfileCatalog, QualityCurve, with_ci
+from .measured import MeasuredFrontier
 
 
 @dataclass(frozen=True)
@@ -34,16 +41,25 @@ class Point:
     agreement: float | None  # lowest over the tasks (None: no curve)
     task: str = ""  # the task whose curve gave it
     curve: QualityCurve | None = None
+    gap: float = 0.0  # frontier agreement gap added to another format's curve
+    speed: float | None = None  # measured decode tok/s of the nearest measured point
+    speed_note: str = ""
 
     def describe(self) -> str:
         what = f"{self.weights or 'model'} records, load_ratio {self.load_ratio:.2f}, compute_ratio " \
                f"{self.load_ratio * self.share:.2f}"
         if self.curve is not None and self.agreement is not None:
+            fixed = (f" {self.gap:+.3f} measured on the frontier between {self.weights} and "
+                     f"{self.curve.weights or 'float'} records" if self.gap else "")
             what += (f"; measured agreement with dense {with_ci(self.agreement, self.curve.tokens)}"
                      f" (95 % CI over {self.curve.tokens} held-out tokens, task {self.task}, "
-                     f"{self.curve.weights or 'float'} curve)")
+                     f"{self.curve.weights or 'float'} curve{fixed})")
+        elif self.curve is not None:
+            what += f"; no agreement figure (below the {self.task} curve's measured gammas)"
+        speed = self.speed_note or ("decode speed not measured for this point: `selectinfer "
+                                    "frontier` or `selectinfer bench`")
         return (what + f"; {self.resident / 2**20:.0f} MiB of weights, {self.read / 2**20:.0f} MiB "
-                f"read per token (decode speed not measured for this point: `selectinfer bench`)")
+                f"read per token; {speed}")
 
 
 def _sizes(path: str, opts: ModelOptions) -> tuple[int, int, int, "object"]:
@@ -73,6 +89,7 @@ def choose_point(opts: ModelOptions, packs: dict[str, str], profiles, log: Calla
     for weights, path in packs.items():
         fixed, layer, sparse, m = _sizes(path, opts)
         catalog = ProfileCatalog(profiles, m) if profiles else None
+        measured = MeasuredFrontier.load(profiles, m.model_id)
         tasks = [opts.task] if opts.task else (catalog.tasks if catalog else [])
         curves = {t: catalog.quality_curve(t, m.weights) for t in tasks} if catalog else {}
         if target is not None:
@@ -91,23 +108,40 @@ def choose_point(opts: ModelOptions, packs: dict[str, str], profiles, log: Calla
         shares = [fixed_share] if fixed_share else sorted(
             {s for c in curves.values() if c is not None for s in c.compute_shares} or {1.0})
 
+        def gap(c: QualityCurve, g: float, share: float) -> float:
+            """What this format costs against the format ``c`` was measured on (frontier)."""
+            own = m.weights or "float"
+            if measured is None or (c.weights or "float") == own:
+                return 0.0
+            return measured.gap(own, c.weights or "float", g, g * share) or 0.0
+
         def point(g: float, share: float) -> Point:
             low = None
             if curves and all(c is not None for c in curves.values()):
-                low = min(((c.expected_agreement(g, g * share), t, c) for t, c in curves.items()),
-                          key=lambda x: x[0])
+                low = min(((c.expected_agreement(g, g * share) + gap(c, g, share), t, c)
+                           for t, c in curves.items()), key=lambda x: x[0])
+            below = low is not None and g < min(low[2].load_ratios) - 1e-9
+            own = m.weights or "float"
+            near = measured.nearest(own, g, g * share) if measured else None
             return Point(weights, path, g, share, int(fixed + sparse * layer * g),
-                         int(fixed + sparse * layer * g * share), low and low[0],
-                         low[1] if low else "", low[2] if low else None)
+                         int(fixed + sparse * layer * g * share),
+                         None if below or low is None else low[0], low[1] if low else "",
+                         low[2] if low else None, gap(low[2], g, share) if low else 0.0,
+                         near and near.decode_tokens_per_second,
+                         measured.speed_note(own, g, g * share) if measured else "")
 
         for share in shares:
             fitting.append(point(g_max, share))
             if target is not None:
-                need = max((c.load_ratio_for(target, share) or 2.0) for c in curves.values())
+                need = max((_smallest_gamma(c, target - gap(c, 1.0, share), share) or 2.0)
+                           for c in curves.values())
                 if need <= g_max + 1e-9:
-                    meeting.append(point(need, share))
+                    p = point(need, share)
+                    if p.agreement is not None and p.agreement >= target - 1e-6:
+                        meeting.append(p)
     if target is not None and meeting:
-        best = min(meeting, key=lambda p: (p.read, p.resident))
+        timed = all(p.speed for p in meeting)  # fastest measured, else fewest bytes read
+        best = min(meeting, key=lambda p: (-p.speed if timed else p.read, p.resident))
         room = f" (the memory budget would allow up to {g_max_of(fitting, best):.3f})" \
             if budget is not None else ""
         return _done(best, "min_agreement", f"min_agreement {target:.2f} -> load_ratio "
@@ -116,7 +150,7 @@ def choose_point(opts: ModelOptions, packs: dict[str, str], profiles, log: Calla
         raise ValueError("no point to run at: " + "; ".join(reasons))
     # the best agreement; without curves, compute every loaded neuron (phi = gamma); then fastest
     best = max(fitting, key=lambda p: (-1.0 if p.agreement is None else p.agreement, p.share,
-                                       -p.read))
+                                       p.speed or 0.0, -p.read))
     if target is not None:
         if budget is None:
             raise ValueError(f"min_agreement {target:.2f}: no load_ratio <= 1 reaches it"
@@ -126,6 +160,11 @@ def choose_point(opts: ModelOptions, packs: dict[str, str], profiles, log: Calla
                      f"agreement target at the best point that fits", log)
     return _done(best, "memory_budget", f"memory budget {opts.memory_budget_mb:g} MiB -> "
                  f"load_ratio {best.load_ratio:.3f}", log)
+
+
+def _smallest_gamma(c: QualityCurve, target: float, share: float) -> float | None:
+    """The curve's smallest gamma meeting ``target`` (:meth:`QualityCurve.load_ratio_for`)."""
+    return c.load_ratio_for(min(target, 1.0), share) if target > 0 else min(c.load_ratios)
 
 
 def g_max_of(points: list[Point], like: Point) -> float:

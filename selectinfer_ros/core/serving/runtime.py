@@ -23,6 +23,8 @@ from ..selection.loader import (SelectiveModel, SwitchReport, load_dense, load_r
 from ..selection.profiles import LoadRatioChoice, ProfileCatalog
 from .choice import choose_point
 
+CHOICE_WEIGHTS = ("int8", "int8-q4emb", "float")  # the embedded model's records a budget may choose
+
 
 def weights_for(opts: ModelOptions) -> str:
     """The embedded model's records when ``opts`` do not choose them: ``weights``, else int8 on
@@ -44,10 +46,11 @@ def model_path(opts: ModelOptions, log: Callable[[str], None] = lambda s: None,
 
 def candidate_packs(opts: ModelOptions, log: Callable[[str], None]) -> dict[str, str]:
     """Weights format -> packed folder among which memory_budget_mb / min_agreement choose: the
-    embedded model's int8 and float records when ``weights`` is empty on a CPU, else the one."""
+    embedded model's int8, int8-q4emb (4-bit output layer) and float records when ``weights`` is
+    empty on a CPU (each packed once, on first use), else the one."""
     if opts.model or opts.weights or opts.device != "cpu":
         return {"": model_path(opts, log)}
-    return {w: model_path(opts, log, w) for w in ("int8", "float")}
+    return {w: model_path(opts, log, w) for w in CHOICE_WEIGHTS}
 
 
 class Runtime:

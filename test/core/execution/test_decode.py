@@ -123,16 +123,18 @@ def _kernel_vs_torch_ops(sm: SelectiveModel, ids: list[int], n_prompt: int):
     return sorted(diffs), sum(same) / len(same)
 
 
-def test_int8_decode_kernel_equals_torch_ops(tiny_models, tiny_profiles, tmp_path):
+@pytest.mark.parametrize("weights", ["int8", "int8-q4emb"])
+def test_int8_decode_kernel_equals_torch_ops(tiny_models, tiny_profiles, tmp_path, weights):
     """The one-call int8 decode step against the same decoder on torch ops, with selection
-    (phi < gamma). The two agree up to the noise of the int8 activation quantization: a
-    last-bit difference of a float (C's exp/tanh, summation order) can move an activation
-    across a rounding step, which moves the logits of that step. So: most steps equal to float
-    rounding, the others within int8 noise."""
+    (phi < gamma); int8-q4emb: with the embedding / output layer as 4-bit rows (Gemma: tied,
+    Llama: a separate output layer). The two agree up to the noise of the int8 activation
+    quantization: a last-bit difference of a float (C's exp/tanh, summation order) can move an
+    activation across a rounding step, which moves the logits of that step. So: most steps
+    equal to float rounding, the others within int8 noise."""
     ids = torch.randint(4, 500, (30,), generator=torch.Generator().manual_seed(4)).tolist()
     for family in ("tiny-llama", "tiny-gemma3"):
         hf, _ = tiny_models[family]
-        packed = pack(hf, tmp_path / family, weights="int8", log=lambda s: None).path
+        packed = pack(hf, tmp_path / family, weights=weights, log=lambda s: None).path
         sm = SelectiveModel(packed, tiny_profiles[family], "alpha", load_ratio=0.7,
                             static_ratio=0.3, compute_ratio=0.5)
         diffs, top1 = _kernel_vs_torch_ops(sm, ids, 10)

@@ -192,6 +192,38 @@ def test_q4_pack_holds_4bit_records_and_the_same_fingerprint(q4_packed, tiny_mod
         assert bool((err.abs() <= 1.6 * step + 1e-6).all()), name
 
 
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
+def test_int8_q4emb_pack_keeps_int8_records_and_attention_and_4bit_embedding(tiny_models,
+                                                                            tmp_path, family):
+    """``--weights int8-q4emb``: int8 neuron records and attention rows, the token embedding and
+    a separate output layer as 4-bit rows; loaded, the embedding and the output layer are 4-bit
+    modules whose rows are those of the float model within a 4-bit step."""
+    from selectinfer_ros.core.format.pack import OTHER_FILE, pack, verify
+    from selectinfer_ros.core.format.q4 import Q4Embedding, Q4Linear
+    from selectinfer_ros.core.format.safetensors_io import read_header
+    from selectinfer_ros.core.selection.loader import load_dense
+    hf, float_packed = tiny_models[family]
+    m = pack(hf, tmp_path / "p", weights="int8-q4emb", log=lambda s: None)
+    assert m.int8_ffn and m.int8_other and not m.q4_ffn
+    assert m.record_bytes == 3 * m.hidden_size + 12
+    tensors, _, _ = read_header(m.path / OTHER_FILE)
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    assert tensors["model.embed_tokens.weight"].dtype == torch.uint8
+    assert tensors["model.embed_tokens.scale"].dtype == torch.float16
+    assert ("lm_head.weight" in tensors) == (family == "tiny-llama")  # Gemma ties them
+    if "lm_head.weight" in tensors:
+        assert tensors["lm_head.weight"].dtype == torch.uint8
+    assert verify(m.path, log=lambda s: None) == []
+    q, _ = load_dense(m.path)
+    fl, _ = load_dense(float_packed)
+    assert isinstance(q.model.embed_tokens, Q4Embedding) and isinstance(q.lm_head, Q4Linear)
+    ids = torch.arange(3, 40)
+    got = q.model.embed_tokens(ids).float()
+    want = fl.model.embed_tokens(ids).float()
+    step = want.reshape(len(ids), -1, 32).abs().amax(-1, keepdim=True) / 8
+    assert bool(((got - want).reshape(step.shape[0], -1, 32).abs() <= 1.6 * step + 1e-6).all())
+
+
 @pytest.mark.parametrize("gamma", [1.0, 0.6])
 def test_q4_model_reads_only_its_records_and_switches_like_a_fresh_load(q4_packed, tiny_profiles,
                                                                          gamma):

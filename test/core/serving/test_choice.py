@@ -93,3 +93,67 @@ def test_a_small_curve_warns_with_its_interval(two_packs, tmp_path):
     assert c.weights == "int8"
     assert "warning" in log and "only 65 held-out tokens" in log
     assert "95 % CI over 65 held-out tokens" in log
+
+
+@pytest.fixture(scope="module")
+def with_frontier(two_packs, tiny_models, tmp_path_factory):
+    """two_packs plus int8-q4emb records (no task curves of their own) and a measured frontier
+    beside the profiles: int8-q4emb agrees 0.05 less than int8 at every point and decodes
+    faster (30 vs 20 tok/s at gamma 1)."""
+    import json
+    from selectinfer_ros.core.format.pack import pack, read_manifest
+    packs, d = two_packs
+    root = tmp_path_factory.mktemp("frontier")
+    q4e = pack(tiny_models["tiny-llama"][0], root / "packed-int8-q4emb", weights="int8-q4emb",
+               log=lambda s: None).path
+    prof = root / "profiles"
+    shutil.copytree(d, prof)
+    model = read_manifest(packs["int8"]).model_id
+    rows = [{"source": "llama.cpp", "model": "x", "weights": "Q4_0", "load_ratio": 1.0,
+             "compute_ratio": 1.0, "agreement": 0.8, "decode_tokens_per_second": 50.0}]
+    for w, base, tps in (("int8", 0.95, 20.0), ("int8-q4emb", 0.90, 30.0)):
+        for g in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5):
+            for phi in (g, round(0.7 * g, 4)):
+                rows.append({"source": "selectinfer", "model": model, "weights": w,
+                             "load_ratio": g, "compute_ratio": phi, "tokens": 2040, "threads": 1,
+                             "agreement": base - (1 - g) / 2 - (g - phi) / 3, "cpu": "Test CPU",
+                             "decode_tokens_per_second": tps / (0.5 + phi / 2)})
+    (prof / "frontier.json").write_text(json.dumps(rows))
+    return {**packs, "int8-q4emb": str(q4e)}, prof
+
+
+def test_a_format_without_curves_takes_the_frontier_gap_and_its_measured_speed(with_frontier):
+    from selectinfer_ros.core.selection.loader import SelectiveModel
+    packs, d = with_frontier
+    sizes = {w: SelectiveModel(p).weight_bytes() for w, p in packs.items()}
+    assert sizes["int8-q4emb"]["total"] < sizes["int8"]["total"]
+    budget = sizes["int8-q4emb"]["total"] + 1024  # every int8-q4emb neuron; int8 near gamma 0.8
+    c, log = _choose(packs, d, memory_budget_mb=budget / 2**20)
+    assert c.weights == "int8-q4emb" and c.load_ratio == 1.0 and c.compute_share == 1.0
+    assert c.expected_agreement == pytest.approx(1.0 - 0.03 - 0.05, abs=1e-4)  # int8 curve - gap
+    assert "-0.050 measured on the frontier between int8-q4emb and int8 records" in log
+    assert "measured decode 30.0 tok/s (1 thread, Test CPU; frontier.json)" in log
+    # min_agreement: the fastest measured point that meets it, its gap included
+    c, log = _choose(packs, d, min_agreement=0.8)
+    assert c.expected_agreement >= 0.8 - 1e-6
+    speeds = {"int8": 20.0, "int8-q4emb": 30.0}
+    phi = c.load_ratio * c.compute_share
+    assert c.weights == "int8-q4emb"  # faster than int8 at any point that meets 0.8
+    assert f"measured decode {speeds[c.weights] / (0.5 + round(phi, 1) / 2):.1f}" in log \
+        or "at the nearest measured point" in log
+
+
+def test_a_corrupt_or_foreign_frontier_file_is_refused_with_its_name(with_frontier, tmp_path):
+    import json
+    packs, d = with_frontier
+    bad = tmp_path / "p"
+    shutil.copytree(d, bad)
+    (bad / "frontier.json").write_text('{"rows": 3}')
+    with pytest.raises(ValueError, match="frontier.json: not a `selectinfer frontier` file"):
+        _choose(packs, bad, memory_budget_mb=500)
+    rows = json.loads((d / "frontier.json").read_text())
+    for r in rows:
+        r["model"] = "another-model"
+    (bad / "frontier.json").write_text(json.dumps(rows))
+    with pytest.raises(ValueError, match="measured on another-model"):
+        _choose(packs, bad, memory_budget_mb=500)
