@@ -24,6 +24,7 @@ from ..core.selection.loader import SelectiveModel, build_skeleton, load_dense, 
 from ..core.execution.metrics import peak_rss_bytes, process_rss_bytes
 from ..core.format.pack import read_manifest
 from ..core.format.tokenizer import load_tokenizer
+from ..core.format.weights import BENCH_WEIGHTS
 from . import llama_cpp
 
 GRID = [(1.0, 1.0), (0.9, 0.7), (0.7, 0.7), (0.7, 0.5), (0.5, 0.35)]
@@ -453,7 +454,7 @@ def print_table(rows: list[dict]) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .plots import tradeoff_plot
     if args.weights is None:
-        args.weights = ["float"] if args.quick else ["float", "int8", "q4"]
+        args.weights = ["float"] if args.quick else list(BENCH_WEIGHTS)
     if args.quick:
         args.repeats = min(args.repeats, 2)
         args.new_tokens = min(args.new_tokens, 8)

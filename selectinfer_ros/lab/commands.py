@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from ..core.format.paths import DATA_DIR
-from ..core.format.weights import WEIGHTS
+from ..core.format.weights import BENCH_WEIGHTS, WEIGHTS
 from ..core.options import ModelOptions, add_option
 
 GRID_HELP = ("gamma,phi pairs (load_ratio,compute_ratio), space-separated, e.g. "
@@ -60,8 +60,8 @@ def register(sub) -> None:
     p.add_argument("--grid", nargs="+", metavar="G,P",
                    help=f"{GRID_HELP} (default 1,1 0.9,0.7 0.7,0.7 0.7,0.5 0.5,0.35)")
     p.add_argument("--weights", nargs="+", choices=WEIGHTS, default=None,
-                   help="SelectInfer rows over float, int8 and/or 4-bit (q4) neuron records "
-                        "(default: all three; --quick: float)")
+                   help="SelectInfer rows over these `pack --weights` records (default: "
+                        f"{' '.join(BENCH_WEIGHTS)}; --quick: float)")
     p.add_argument("--no-quant", action="store_true", help="skip torch int8/int4 weight-only")
     p.add_argument("--llama-cpp", help="llama.cpp build folder with llama-bench and llama-quantize, "
                    "or `auto`: the build of scripts/build_llama_cpp.sh; adds Q8_0, F16 and Q4_K_M "

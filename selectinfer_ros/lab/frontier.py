@@ -41,7 +41,7 @@ PHI_SHARES = (1.0, 0.7)  # phi / gamma
 LLAMA_TYPES = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M",
                "Q8_0+Q4_0-embd", "Q4_0+Q4_0-embd")  # also int8-q4emb's idea in llama.cpp's recipe
 TOOLS = ("llama-bench", "llama-quantize", "llama-perplexity")
-BUDGETS_MIB = (150, 250, 400, 1000)
+BUDGETS_MIB = (150, 200, 250, 400, 1000)
 MAGIC = b"_logits_"
 LOG_P_FLOOR = -16.0  # reference log-probs at or below this are left out of the KL (llama.cpp)
 Q4_K_M_NOTE = ("the embedded weights were dequantized from a Q4_K_M GGUF, so llama.cpp Q4_K_M "

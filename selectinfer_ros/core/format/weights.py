@@ -6,3 +6,4 @@ WEIGHTS = ("float", "int8", "int8-ffn", "int8-q4emb", "q4", "q4-all")
 INT8_WEIGHTS = ("int8", "int8-ffn", "int8-q4emb")  # int8 neuron records
 Q4_WEIGHTS = ("q4", "q4-all")  # 4-bit neuron records
 QUANTIZED_OTHER = ("int8", "int8-q4emb", "q4", "q4-all")  # attention and embedding quantized too
+BENCH_WEIGHTS = ("float", "int8", "int8-q4emb", "q4")  # ``selectinfer bench``'s rows by default

@@ -110,10 +110,7 @@ def choose_point(opts: ModelOptions, packs: dict[str, str], profiles, log: Calla
 
         def gap(c: QualityCurve, g: float, share: float) -> float:
             """What this format costs against the format ``c`` was measured on (frontier)."""
-            own = m.weights or "float"
-            if measured is None or (c.weights or "float") == own:
-                return 0.0
-            return measured.gap(own, c.weights or "float", g, g * share) or 0.0
+            return measured.curve_gap(c.weights, m.weights, g, g * share) if measured else 0.0
 
         def point(g: float, share: float) -> Point:
             low = None

@@ -82,6 +82,15 @@ class MeasuredFrontier:
             return None
         return mine[both[0]].agreement - theirs[both[0]].agreement
 
+    def curve_gap(self, curve_weights: str, weights: str, load_ratio: float,
+                  compute_ratio: float) -> float:
+        """What to add to a quality curve measured on ``curve_weights`` records to predict
+        ``weights`` records (0 for the same format or without a shared measured point)."""
+        own, theirs = weights or "float", curve_weights or "float"
+        if own == theirs:
+            return 0.0
+        return self.gap(own, theirs, load_ratio, compute_ratio) or 0.0
+
     def speed_note(self, weights: str, load_ratio: float, compute_ratio: float) -> str:
         """A sentence for the log: the measured decode speed of the nearest point."""
         p = self.nearest(weights, load_ratio, compute_ratio)

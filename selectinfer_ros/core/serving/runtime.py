@@ -22,6 +22,7 @@ from ..selection.loader import (SelectiveModel, SwitchReport, load_dense, load_r
                                 resolve_dtype)
 from ..selection.profiles import LoadRatioChoice, ProfileCatalog
 from .choice import choose_point
+from .measured import MeasuredFrontier
 
 CHOICE_WEIGHTS = ("int8", "int8-q4emb", "float")  # the embedded model's records a budget may choose
 
@@ -77,7 +78,7 @@ class Runtime:
         if dense:
             t0 = time.perf_counter()
             model, nbytes = load_dense(path, opts.dtype or None, opts.device)
-            self.selective = None
+            self.selective, self.measured = None, None
             self.engine = Engine(model, load_tokenizer(path), context_limit=context_limit)
             self.bytes_read, self.load_seconds = nbytes, time.perf_counter() - t0
             self.task = ""
@@ -115,6 +116,9 @@ class Runtime:
             compute_ratio=r.compute, alpha=opts.alpha, device=opts.device,
             dtype=opts.dtype or None, dense_layers=opts.dense_layers, selection=opts.selection,
             log=log)
+        # another format's curve stands in for records without their own: the gap between the
+        # two on the model's measured frontier corrects it
+        self.measured = MeasuredFrontier.load(profiles, self.model_id)
         self.engine = Engine.from_selective(self.selective, context_limit)
         log(f"[runtime] decoding on the {self.engine.decode_path}")
         self.bytes_read, self.load_seconds = self.selective.bytes_read, self.selective.load_seconds
@@ -138,8 +142,12 @@ class Runtime:
         if sm is None or sm.catalog is None:
             return None
         phi = compute_ratio if compute_ratio is not None else sm.compute_ratio
-        return sm.catalog.expected_agreement(self.task, sm.load_ratio, phi, sm.selection_strategy,
-                                             sm.manifest.weights)
+        p = sm.catalog.expected_agreement(self.task, sm.load_ratio, phi, sm.selection_strategy,
+                                          sm.manifest.weights)
+        curve = sm.catalog.quality_curve(self.task, sm.manifest.weights)
+        if p is None or curve is None or self.measured is None:
+            return p
+        return p + self.measured.curve_gap(curve.weights, sm.manifest.weights, sm.load_ratio, phi)
 
     @property
     def tasks(self) -> list[str]:

@@ -130,3 +130,22 @@ def test_nothing_given_runs_int8_records_and_the_general_profile(embedded_profil
     del rt
     rt = Runtime(ModelOptions(weights="float", task="qa", load_ratio=0.7))
     assert rt.selective.manifest.weights == "float" and rt.task == "qa"
+
+
+def test_memory_budget_on_the_embedded_model_chooses_records_from_its_measured_frontier(
+        embedded_profiles):
+    """Nothing but a 200 MiB budget: int8 records would fit only about a tenth of the neurons
+    (the int8 embedding is 160 MiB), so the 4-bit output table's records (int8-q4emb, 186 MiB
+    with every neuron) run; the log names the frontier's gap and measured speed."""
+    from selectinfer_ros.core.serving.measured import MeasuredFrontier
+    assert MeasuredFrontier.load(embedded_profiles, "gemma3-270m") is not None  # shipped
+    logs: list[str] = []
+    rt = Runtime(ModelOptions(memory_budget_mb=200, profiles=str(embedded_profiles)),
+                 log=logs.append)
+    assert rt.load_choice.weights == "int8-q4emb" and rt.load_choice.bound == "memory_budget"
+    assert rt.selective.manifest.weights == "int8-q4emb"
+    assert rt.memory()["weight_bytes"] <= 200 * 2**20
+    said = next(line for line in logs if "bound: memory_budget" in line)
+    assert "measured on the frontier between int8-q4emb and int8 records" in said
+    assert "measured decode" in said and "tok/s" in said
+    assert 0.5 < rt.expected_agreement() < 0.95
