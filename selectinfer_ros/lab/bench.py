@@ -215,7 +215,8 @@ def run_once(s: Subject, prompt: list[int], new_tokens: int) -> None:
         first = t1 - t0
         s.ttft.append(first)
         s.prefill.append(len(prompt) / first)
-        s.decode.append((new_tokens - 1) / max(1e-9, (t2 - t1) - first))
+        if (t2 - t1) - first > 0.05 * (t2 - t1):  # else timing noise exceeds the decode time:
+            s.decode.append((new_tokens - 1) / ((t2 - t1) - first))  # no figure from this run
         return
     cfg = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True,
                            compute_ratio=s.compute_ratio if s.method == "selectinfer" else None)
