@@ -146,6 +146,7 @@ def test_memory_budget_on_the_embedded_model_chooses_records_from_its_measured_f
     assert rt.selective.manifest.weights == "int8-q4emb"
     assert rt.memory()["weight_bytes"] <= 200 * 2**20
     said = next(line for line in logs if "bound: memory_budget" in line)
-    assert "measured on the frontier between int8-q4emb and int8 records" in said
+    # no task has an int8-q4emb curve: the lowest task curve (int8 or float) with its gap
+    assert "measured on the frontier between int8-q4emb and " in said
     assert "measured decode" in said and "tok/s" in said
     assert 0.5 < rt.expected_agreement() < 0.95
