@@ -93,11 +93,12 @@ def test_demo_command(embedded_ready):
 
 
 def test_min_agreement_parameter_and_expected_agreement_in_diagnostics(llm_graph, embedded_ready):
-    """`min_agreement` picks gamma from the shipped profiles' quality curves; the diagnostics say
-    which bound chose it and the agreement the curve expects at the running gamma/phi."""
+    """`min_agreement` picks gamma from the shipped profiles' quality curves (int8 records, whose
+    curve is their own); the diagnostics say which bound chose it and the agreement the curve
+    expects at the running gamma/phi."""
     from selectinfer_ros.ros.nodes import diagnostics as diag
-    g = llm_graph(model='', profiles='', task='qa', load_ratio=1.0, compute_ratio=0.0,
-                  static_ratio=0.3, min_agreement=0.6).ready(timeout=180.0)
+    g = llm_graph(model='', profiles='', weights='int8', task='qa', load_ratio=1.0,
+                  compute_ratio=0.0, static_ratio=0.3, min_agreement=0.6).ready(timeout=180.0)
     rt = g.node.runtime
     curve = rt.selective.catalog.quality_curve('qa', rt.selective.manifest.weights)
     assert curve is not None
