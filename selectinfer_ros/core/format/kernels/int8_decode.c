@@ -120,6 +120,14 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* Eight blocks' int32 lane vectors reduced to one vector of their eight sums (lane j: p[j]). */
+static inline __m256i sum8(const __m256i p[8]) {
+    __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20),
+                            _mm256_permute2x128_si256(s0, s1, 0x31));
+}
+
 /* One block: |x| (unsigned) times w with x's sign, summed to 8 int32 lanes. */
 static inline __m256i blk256(__m256i ax, __m256i xv, __m256i wv) {
     __m256i sw = _mm256_sign_epi8(wv, xv);
@@ -151,10 +159,7 @@ static inline void dot1(const int8_t *w, int64_t ldw, int64_t nfull, const int8_
             __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (b + j) * QK));
             p[j] = blk256(_mm256_sign_epi8(xv, xv), xv, wv);
         }
-        __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-        __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-        __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20),
-                                       _mm256_permute2x128_si256(s0, s1, 0x31)); /* [8] blocks */
+        __m256i sum = sum8(p); /* [8] blocks */
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_loadu_ps(xd + b), acc);
     }
     __m128 acc4 = _mm_setzero_ps();
@@ -400,10 +405,7 @@ static void q4_row(const uint8_t *w, const uint16_t *d, int64_t nb, const int8_t
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (b + j) * QK));
             p[j] = q4_block(wv, xv);
         }
-        __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-        __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-        __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20),
-                                       _mm256_permute2x128_si256(s0, s1, 0x31)); /* [8] blocks */
+        __m256i sum = sum8(p); /* [8] blocks */
         sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(
                                         _mm256_loadu_si256((const __m256i *)(xs + b)), 3));
         __m256 sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b))),
