@@ -159,9 +159,30 @@ def records_linear(x: torch.Tensor, rec: torch.Tensor, hidden: int) -> torch.Ten
     return torch.stack(out, dim=-1).view(*x.shape[:-1], k, 2)
 
 
+def down_reference(a: torch.Tensor, nib: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The kernel's down product (``si_axpy_q4``) written in torch, its definition: the
+    coefficients ``a[n] * d[n, b]`` quantized to int8 per group of 32 neurons (in order) and
+    block ``b`` of H, as float32 like the kernel rounds them; integer sums with the 4-bit
+    values; scaled per group and block (float64). ``a [m, k]``, ``nib [k, H / 2]``, ``d [k, H /
+    32]`` float16 -> ``[m, H]`` float64."""
+    k, H = nib.shape[0], nib.shape[1] * 2
+    q = dequantize(nib, torch.ones_like(d)).double()  # [k, H] the 4-bit values
+    c = a.float()[:, :, None] * d.float()[None]  # [m, k, nb]
+    pad = -k % QK
+    c = torch.cat([c, c.new_zeros(c.shape[0], pad, c.shape[2])], 1)
+    c = c.view(c.shape[0], -1, QK, c.shape[2])  # [m, G, 32, nb]
+    sc = c.abs().amax(2) / 127.0  # [m, G, nb]
+    inv = torch.where(sc > 0, 1.0 / sc, torch.zeros_like(sc))
+    cq = torch.round(c * inv[:, :, None]).double()  # ties to even, like the kernel
+    qg = torch.cat([q, q.new_zeros(pad, H)]).view(-1, QK, H // QK, QK)  # [G, 32, nb, 32]
+    sums = torch.einsum("mgib,gibj->mgbj", cq, qg)  # exact integers
+    return (sc.double()[..., None] * sums).sum(1).reshape(a.shape[0], H)
+
+
 def records_down(a: torch.Tensor, rec: torch.Tensor, hidden: int) -> torch.Tensor:
     """The down product of 4-bit neuron records: ``a [..., k]`` (the neurons' activations) ->
-    ``[..., H]`` = ``sum_n a[..., n] * down column n`` (``out += a_n * dequant(col_n)``)."""
+    ``[..., H]`` = ``sum_n a[..., n] * down column n``: on the CPU the kernel's integer product
+    (:func:`down_reference`), elsewhere in float over the dequantized columns."""
     H, k = hidden, rec.shape[0]
     nib = rec[:, H:3 * H // 2]
     d = rec[:, 3 * H // 2 + H // 8:].view(torch.float16)  # [k, H / 32]

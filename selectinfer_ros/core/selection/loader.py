@@ -43,6 +43,19 @@ def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torc
     return names[dtype]
 
 
+def activation_dtype(dtype: str | torch.dtype | None, manifest: Manifest,
+                     device: torch.device) -> torch.dtype:
+    """The dtype a selective model computes in: ``dtype`` when given, else float32 on the CPU
+    for a pack whose attention, neurons and output layer are all int8 or 4-bit (the decode
+    kernel's step runs on float32 activations, and what stays float is only norms and tables),
+    else the packed dtype."""
+    if dtype not in (None, "", "auto"):
+        return resolve_dtype(dtype, manifest.dtype)
+    if device.type == "cpu" and manifest.int8_other:
+        return torch.float32
+    return manifest.dtype
+
+
 def build_skeleton(path: Path, dtype: torch.dtype):
     """The transformers model of a packed folder on the meta device, and its config."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -197,7 +210,7 @@ class SelectiveModel:
         self.ffn_tensors = check_ffn_file(self.manifest)
         self.sums = read_checksums(self.manifest)
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.manifest.dtype)
+        self.dtype = activation_dtype(dtype, self.manifest, self.device)
         self.dense_layers = dense_layers
         self.log = log
         self.catalog = ProfileCatalog(profiles_dir, self.manifest) if profiles_dir else None
@@ -242,7 +255,8 @@ class SelectiveModel:
         if self.manifest.quantized_ffn:  # compiles the kernel now (once per machine), not at a goal
             how = (kernel_status() if self.device.type == "cpu"
                    else f"rows dequantized for float products on {self.device}")
-            log(f"[load] {'4-bit' if self.manifest.q4_ffn else 'int8'} weights: {how}")
+            log(f"[load] {'4-bit' if self.manifest.q4_ffn else 'int8'} weights: {how}; "
+                f"{str(self.dtype).removeprefix('torch.')} activations")
         self.load_seconds = time.perf_counter() - t0
         log(f"[load] {self.manifest.model_id} task={self.task or '-'} gamma={load_ratio} "
             f"phi={compute_ratio}: {self.bytes_read / 2**20:.1f} MiB read in {self.load_seconds:.2f} s")

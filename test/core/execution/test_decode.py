@@ -9,6 +9,7 @@ from selectinfer_ros.core.execution.decode import Decoder, unsupported
 from selectinfer_ros.core.execution.engine import Engine, GenerationConfig
 from selectinfer_ros.core.selection.loader import SelectiveModel, load_dense
 from selectinfer_ros.core.format.pack import pack
+from selectinfer_ros.core.format import q4
 
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-gemma3")
 
@@ -165,14 +166,24 @@ def _q8(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(b * inv) * d).reshape(x.shape).to(x.dtype)
 
 
-def _dense_q4_reference(packed):
+def _dense_q4_reference(packed, sm):
     """The dense model of a q4 pack over its dequantized weights (transformers forward); the
     gate and up products see the activations as the kernel quantizes them (the int8 or 4-bit
-    attention and output rows run the kernel's products, the down product is float)."""
+    attention and output rows run the kernel's products) and the down product is the kernel's
+    (``q4.down_reference``) over the records of ``sm``'s slots, in their order."""
     model, _ = load_dense(packed)
-    for blk in model.model.layers:
+    H = model.config.hidden_size
+    for blk, mlp in zip(model.model.layers, sm.mlps):
         for lin in (blk.mlp.gate_proj, blk.mlp.up_proj):
             lin.register_forward_pre_hook(lambda m, args: (_q8(args[0]),))
+        order = mlp.slot_ids  # slot i holds neuron order[i]
+
+        def down(m, args, out, rec=mlp.rec, order=order):
+            a = args[0][..., order]
+            nib, d = rec[:, H:3 * H // 2], rec[:, 3 * H // 2 + H // 8:].view(torch.float16)
+            y = q4.down_reference(a.reshape(-1, a.shape[-1]), nib, d)
+            return y.view(*a.shape[:-1], H).to(out.dtype)
+        blk.mlp.down_proj.register_forward_hook(down)
     return model
 
 
@@ -187,8 +198,8 @@ def test_q4_records_selective_and_decode_kernel_equal_dense_q4(tiny_models, tmp_
     packed = pack(hf, tmp_path / "q4", weights=weights, log=lambda s: None).path
     ids = torch.randint(4, 500, (24,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.no_grad():
-        want = _dense_q4_reference(packed)(torch.tensor([ids])).logits[0].float()  # [T, V]
         sm = SelectiveModel(packed, load_ratio=1.0)
+        want = _dense_q4_reference(packed, sm)(torch.tensor([ids])).logits[0].float()  # [T, V]
         got = sm.model(torch.tensor([ids])).logits[0].float()
     scale = float(want.std())
     rel = sorted(float(r) for r in (got - want).abs().amax(-1) / scale)  # per position

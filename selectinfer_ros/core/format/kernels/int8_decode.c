@@ -488,79 +488,158 @@ int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const u
 /* The transposed product over 4-bit rows: y [H] = sum_{n < k} a[n] * dequant(row n), rows
    as above (w at stride ldw bytes, d at stride ldd float16s), for the blocks [b0, b1) of H
    (y's other blocks untouched). A 4-bit neuron record's down column is such a row: the down
-   product of the active prefix reads each active record's column once, in place. In float
-   (the coefficients a[n] * d[n, b] differ per neuron and block), four neurons per pass over
-   a block; every path sums over n in the same order. */
-static void axpy_q4_part(const float *a, int64_t k, const uint8_t *w, const uint16_t *d,
-                         int64_t ldw, int64_t ldd, float *y, int64_t b0, int64_t b1) {
-    for (int64_t i = b0 * QK; i < b1 * QK; i++) y[i] = 0.0f;
+   product of the active prefix reads each active record's column once, in place.
+
+   In integers, like the row products: the coefficients c[n, b] = a[n] * d[n, b] of a group of
+   32 neurons (n = 32 g + i) are quantized per block b of H to int8 (cq[i, b], one float scale
+   s[b] per group and block, as quantize_blocks does), then
+
+     y[j] += s[b] * sum_{i < 32} cq[i, b] * q[n, j]      (j in block b)
+
+   where the sum over 32 neurons of a 4-bit weight times an int8 is below 2^15 in magnitude:
+   it is summed exactly in int16 lanes (AVX2: the unsigned nibbles q + 8, in wrapping int16
+   arithmetic, then 8 * sum_i cq[i, b] taken off, which leaves the exact signed sum). Every
+   path computes the same cq and the same integer sums; they differ only where a float
+   multiply-add is fused. */
+#define DG 32 /* neurons per coefficient group */
+#define DB 64 /* blocks of H per coefficient pass */
+
+/* The columns are short streams (H / 2 bytes, a record apart), too short for the hardware
+   prefetchers to follow from memory: while a group is read at block b, the next group's
+   nibbles (a cache line per four blocks) and scales (a line per 32 blocks) at b are fetched. */
+static inline void prefetch_column(const uint8_t *w, const uint16_t *d, int64_t ldw, int64_t ldd,
+                                   int64_t n, int64_t k, int64_t b) {
+    if (n >= k) return;
+    if ((b & 3) == 0) __builtin_prefetch(w + n * ldw + b * 16);
+    if ((b & 31) == 0) __builtin_prefetch(d + n * ldd + b);
+}
+
+/* The coefficients of neurons [g0, g0 + G) for blocks [bc, bc + nbc): cq [G, DB] int16 (row i:
+   neuron g0 + i, column b - bc), s [nbc] the scales, cs [nbc] the sums over i of cq. */
+static void down_coeffs(const float *a, const uint16_t *d, int64_t ldd, int64_t g0, int64_t G,
+                        int64_t bc, int64_t nbc, int16_t *cq, float *s, int32_t *cs) {
+    int64_t b = 0;
 #if defined(SI_AVX2) || defined(SI_AVX512)
-    const __m128i low = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    for (int64_t n0 = 0; n0 < k; n0 += 4) {
-        int64_t g = k - n0 < 4 ? k - n0 : 4;
-        for (int64_t b = b0; b < b1; b++) {
-            float *yb = y + b * QK;
-            __m256 acc0 = _mm256_loadu_ps(yb), acc1 = _mm256_loadu_ps(yb + 8);
-            __m256 acc2 = _mm256_loadu_ps(yb + 16), acc3 = _mm256_loadu_ps(yb + 24);
-            for (int64_t n = n0; n < n0 + g; n++) {
-                const uint8_t *wn = w + n * ldw + b * 16;
-                _mm_prefetch((const char *)(wn + PF), _MM_HINT_T0);
-                __m256 c = _mm256_set1_ps(a[n] * _cvtsh_ss(d[n * ldd + b]));
-                __m128i raw = _mm_loadu_si128((const __m128i *)wn);
-                __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, low), eight);
-                __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), low), eight);
-                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), c, acc0);
-                acc1 = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), c, acc1);
-                acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), c, acc2);
-                acc3 = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), c, acc3);
-            }
-            _mm256_storeu_ps(yb, acc0);
-            _mm256_storeu_ps(yb + 8, acc1);
-            _mm256_storeu_ps(yb + 16, acc2);
-            _mm256_storeu_ps(yb + 24, acc3);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (; b + 8 <= nbc; b += 8) {
+        __m256 mx = _mm256_setzero_ps();
+        for (int64_t i = 0; i < G; i++) {
+            __m256 c = _mm256_mul_ps(
+                _mm256_set1_ps(a[g0 + i]),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + (g0 + i) * ldd + bc + b))));
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, c));
         }
-    }
-#elif defined(SI_NEON_DOT)
-    const uint8x16_t low = vdupq_n_u8(0x0F);
-    const int8x16_t eight = vdupq_n_s8(8);
-    for (int64_t n0 = 0; n0 < k; n0 += 4) {
-        int64_t g = k - n0 < 4 ? k - n0 : 4;
-        for (int64_t b = b0; b < b1; b++) {
-            float *yb = y + b * QK;
-            float32x4_t acc[8];
-            for (int i = 0; i < 8; i++) acc[i] = vld1q_f32(yb + 4 * i);
-            for (int64_t n = n0; n < n0 + g; n++) {
-                const uint8_t *wn = w + n * ldw + b * 16;
-                __builtin_prefetch(wn + PF);
-                float c = a[n] * half_to_float(d[n * ldd + b]);
-                uint8x16_t raw = vld1q_u8(wn);
-                int8x16_t q[2] = {vsubq_s8(vreinterpretq_s8_u8(vandq_u8(raw, low)), eight),
-                                  vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(raw, 4)), eight)};
-                for (int h = 0; h < 2; h++) {
-                    int16x8_t q0 = vmovl_s8(vget_low_s8(q[h])), q1 = vmovl_s8(vget_high_s8(q[h]));
-                    int32x4_t v[4] = {vmovl_s16(vget_low_s16(q0)), vmovl_s16(vget_high_s16(q0)),
-                                      vmovl_s16(vget_low_s16(q1)), vmovl_s16(vget_high_s16(q1))};
-                    for (int i = 0; i < 4; i++)
-                        acc[4 * h + i] = vfmaq_n_f32(acc[4 * h + i], vcvtq_f32_s32(v[i]), c);
-                }
-            }
-            for (int i = 0; i < 8; i++) vst1q_f32(yb + 4 * i, acc[i]);
+        __m256 sc = _mm256_div_ps(mx, _mm256_set1_ps(127.0f));
+        __m256 inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), sc),
+                                   _mm256_cmp_ps(sc, _mm256_setzero_ps(), _CMP_GT_OQ));
+        _mm256_storeu_ps(s + b, sc);
+        __m256i sum = _mm256_setzero_si256();
+        for (int64_t i = 0; i < G; i++) {
+            __m256 c = _mm256_mul_ps(
+                _mm256_set1_ps(a[g0 + i]),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + (g0 + i) * ldd + bc + b))));
+            __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(c, inv)); /* nearest, ties to even */
+            sum = _mm256_add_epi32(sum, q);
+            _mm_storeu_si128((__m128i *)(cq + i * DB + b),
+                             _mm_packs_epi32(_mm256_castsi256_si128(q),
+                                             _mm256_extracti128_si256(q, 1)));
         }
-    }
-#else
-    for (int64_t n = 0; n < k; n++) {
-        for (int64_t b = b0; b < b1; b++) {
-            const uint8_t *wn = w + n * ldw + b * 16;
-            float c = a[n] * half_to_float(d[n * ldd + b]), *yb = y + b * QK;
-            for (int j = 0; j < 16; j++) {
-                yb[j] += c * (float)((int32_t)(wn[j] & 15) - 8);
-                yb[j + 16] += c * (float)((int32_t)(wn[j] >> 4) - 8);
-            }
-        }
+        _mm256_storeu_si256((__m256i *)(cs + b), sum);
     }
 #endif
+    for (; b < nbc; b++) {
+        float mx = 0.0f;
+        for (int64_t i = 0; i < G; i++) {
+            float c = fabsf(a[g0 + i] * half_to_float(d[(g0 + i) * ldd + bc + b]));
+            mx = c > mx ? c : mx;
+        }
+        float sc = mx / 127.0f, inv = sc > 0.0f ? 1.0f / sc : 0.0f;
+        int32_t sum = 0;
+        for (int64_t i = 0; i < G; i++) {
+            int32_t q = (int32_t)lrintf(a[g0 + i] * half_to_float(d[(g0 + i) * ldd + bc + b]) * inv);
+            cq[i * DB + b] = (int16_t)q;
+            sum += q;
+        }
+        s[b] = sc;
+        cs[b] = sum;
+    }
+}
+
+static void axpy_q4_part(const float *a, int64_t k, const uint8_t *w, const uint16_t *d,
+                         int64_t ldw, int64_t ldd, float *y, int64_t b0, int64_t b1) {
+    int16_t cq[DG * DB];
+    float s[DB];
+    int32_t cs[DB];
+    for (int64_t i = b0 * QK; i < b1 * QK; i++) y[i] = 0.0f;
+    for (int64_t bc = b0; bc < b1; bc += DB) {
+        int64_t nbc = b1 - bc < DB ? b1 - bc : DB;
+        for (int64_t g0 = 0; g0 < k; g0 += DG) {
+            int64_t G = k - g0 < DG ? k - g0 : DG;
+            down_coeffs(a, d, ldd, g0, G, bc, nbc, cq, s, cs);
+            for (int64_t b = bc; b < bc + nbc; b++) {
+                float *yb = y + b * QK;
+                const int16_t *cb = cq + (b - bc);
+#if defined(SI_AVX2) || defined(SI_AVX512)
+                const __m256i low = _mm256_set1_epi16(0x0F);
+                __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+                for (int64_t i = 0; i < G; i++) {
+                    const uint8_t *wn = w + (g0 + i) * ldw + b * 16;
+                    prefetch_column(w, d, ldw, ldd, g0 + i + DG, k, b);
+                    __m256i r = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)wn));
+                    __m256i c = _mm256_set1_epi16(cb[i * DB]);
+                    lo = _mm256_add_epi16(lo, _mm256_mullo_epi16(_mm256_and_si256(r, low), c));
+                    hi = _mm256_add_epi16(hi, _mm256_mullo_epi16(_mm256_srli_epi16(r, 4), c));
+                }
+                __m256i off = _mm256_set1_epi16((int16_t)(uint16_t)(8u * (uint32_t)cs[b - bc]));
+                lo = _mm256_sub_epi16(lo, off); /* sum (q + 8) c - 8 sum c: the exact signed sum */
+                hi = _mm256_sub_epi16(hi, off);
+                __m256 sc = _mm256_set1_ps(s[b - bc]);
+                __m256i v[4] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo)),
+                                _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1)),
+                                _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi)),
+                                _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1))};
+                for (int j = 0; j < 4; j++)
+                    _mm256_storeu_ps(yb + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[j]), sc,
+                                                                 _mm256_loadu_ps(yb + 8 * j)));
+#elif defined(SI_NEON_DOT)
+                const uint8x16_t low = vdupq_n_u8(0x0F);
+                const int8x16_t eight = vdupq_n_s8(8);
+                int16x8_t acc[4] = {vdupq_n_s16(0), vdupq_n_s16(0), vdupq_n_s16(0),
+                                    vdupq_n_s16(0)};
+                for (int64_t i = 0; i < G; i++) {
+                    const uint8_t *wn = w + (g0 + i) * ldw + b * 16;
+                    prefetch_column(w, d, ldw, ldd, g0 + i + DG, k, b);
+                    uint8x16_t raw = vld1q_u8(wn);
+                    int8x16_t lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(raw, low)), eight);
+                    int8x16_t hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(raw, 4)), eight);
+                    int8x8_t c = vdup_n_s8((int8_t)cb[i * DB]);
+                    acc[0] = vmlal_s8(acc[0], vget_low_s8(lo), c);
+                    acc[1] = vmlal_s8(acc[1], vget_high_s8(lo), c);
+                    acc[2] = vmlal_s8(acc[2], vget_low_s8(hi), c);
+                    acc[3] = vmlal_s8(acc[3], vget_high_s8(hi), c);
+                }
+                float sc = s[b - bc];
+                for (int j = 0; j < 4; j++) {
+                    float32x4_t v0 = vcvtq_f32_s32(vmovl_s16(vget_low_s16(acc[j])));
+                    float32x4_t v1 = vcvtq_f32_s32(vmovl_s16(vget_high_s16(acc[j])));
+                    vst1q_f32(yb + 8 * j, vfmaq_n_f32(vld1q_f32(yb + 8 * j), v0, sc));
+                    vst1q_f32(yb + 8 * j + 4, vfmaq_n_f32(vld1q_f32(yb + 8 * j + 4), v1, sc));
+                }
+#else
+                int32_t acc[QK] = {0};
+                for (int64_t i = 0; i < G; i++) {
+                    const uint8_t *wn = w + (g0 + i) * ldw + b * 16;
+                    int32_t c = cb[i * DB];
+                    for (int j = 0; j < 16; j++) {
+                        acc[j] += ((int32_t)(wn[j] & 15) - 8) * c;
+                        acc[j + 16] += ((int32_t)(wn[j] >> 4) - 8) * c;
+                    }
+                }
+                for (int j = 0; j < QK; j++) yb[j] += s[b - bc] * (float)acc[j];
+#endif
+            }
+        }
+    }
 }
 
 /* y [M, H] = a [M, k] . W, W: k 4-bit rows of H (the down columns of 4-bit neuron records);
@@ -822,6 +901,13 @@ static void mlp_step_q4(const si_model *m, const si_layer *L, float *x, int t, i
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *r = L->rec + n * R;
         const uint16_t *d = (const uint16_t *)(r + 3 * H / 2);
+        /* records are read in two passes (gate/up here, down below) that skip a third of
+           each: the next-but-one record's gate, up and their scales are fetched ahead */
+        if (n + 2 < n1) {
+            const uint8_t *ahead = r + 2 * R;
+            for (int64_t o = 0; o < H; o += 64) __builtin_prefetch(ahead + o);
+            for (int64_t o = 0; o < H / 8; o += 64) __builtin_prefetch(ahead + 3 * H / 2 + o);
+        }
         float g, u;
         q4_row(r, d, nb, m->xq, m->xd, m->xs, &g);
         q4_row(r + H / 2, d + nb, nb, m->xq, m->xd, m->xs, &u);
