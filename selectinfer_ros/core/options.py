@@ -90,7 +90,8 @@ class ModelOptions:
     alpha: float = param(0.2, "per-token top share of loaded neurons voting for dynamic ones",
                          lo=0.0, hi=1.0, lo_open=True)
     device: str = param("cpu", "torch device: cpu, cuda, cuda:N", check=_device)
-    dtype: str = param("", "float32, float16 or bfloat16; empty = the packed dtype",
+    dtype: str = param("", "float32, float16 or bfloat16; empty = float32 for an int8 or 4-bit "
+                       "pack on the CPU (the decode kernel's), else the packed dtype",
                        choices=DTYPES)
     dense_layers: int = param(0, "first and last layers kept dense (all neurons)", lo=0)
     selection: str = param("auto", "neuron selection: " + ", ".join(SELECTIONS) + " (auto: "

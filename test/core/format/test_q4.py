@@ -51,7 +51,8 @@ def test_fitted_scales_never_raise_a_blocks_squared_error():
     assert torch.equal(p1[:40000], p2) and torch.equal(d1[:40000], d2)
 
 
-@pytest.mark.parametrize("n,k,m", [(7, 64, 3), (300, 640, 1), (130, 2048, 5), (33, 32, 2)])
+@pytest.mark.parametrize("n,k,m", [(7, 64, 3), (300, 640, 1), (130, 2048, 5), (33, 32, 2),
+                                   (9, 416, 2), (5, 96, 3)])  # 13, 3 blocks: an unpaired one
 def test_kernel_matches_the_float_product_of_the_dequantized_rows(n, k, m):
     assert kernel.kernel() is not None, kernel.status()
     g = torch.Generator().manual_seed(n + k)
@@ -70,7 +71,7 @@ def test_kernel_matches_the_float_product_of_the_dequantized_rows(n, k, m):
 def test_every_path_of_this_cpu_equals_the_plain_c_path(isa):
     plain, k = kernel.load(isa="plain"), kernel.load(isa=isa)
     g = torch.Generator().manual_seed(3)
-    for n, kk, m in [(7, 64, 3), (64, 640, 1), (33, 96, 2), (130, 2048, 2)]:
+    for n, kk, m in [(7, 64, 3), (64, 640, 1), (33, 96, 2), (130, 2048, 2), (9, 416, 3)]:
         packed, d = q4.quantize(torch.randn(n, kk, generator=g))
         x = torch.randn(m, kk, generator=g)
         out = {}

@@ -110,6 +110,31 @@ static void quantize_row(const float *x, int64_t K, int8_t *xq, float *xd) {
     quantize_blocks(x, K, 0, (K + QK - 1) / QK, xq, xd, NULL);
 }
 
+/* Pair order, the activations as the 4-bit row products read them: blocks 2p and 2p + 1 of
+   nb are stored as [x_2p[0:16], x_2p+1[0:16], x_2p[16:32], x_2p+1[16:32]] (the low and the high
+   nibbles of two blocks' 32 bytes line up with the first and second half); a last unpaired
+   block stays as it is. xq_lo(b, nb): where block b's values 0-15 start (16-31 start at
+   xq_hi). */
+static inline int64_t xq_lo(int64_t b, int64_t nb) {
+    return (b | 1) < nb ? (b >> 1) * 2 * QK + (b & 1) * 16 : b * QK;
+}
+static inline int64_t xq_hi(int64_t b, int64_t nb) {
+    return xq_lo(b, nb) + ((b | 1) < nb ? QK : 16);
+}
+
+/* Blocks [b0, b1) of xq (b0 even) from natural into pair order. */
+static void pair_blocks(int8_t *xq, int64_t b0, int64_t b1, int64_t nb) {
+    for (int64_t b = b0; b + 1 < b1 && b + 1 < nb; b += 2) {
+        int8_t t[2 * QK];
+        memcpy(t, xq + b * QK, sizeof t);
+        int8_t *o = xq + b * QK;
+        memcpy(o, t, 16);
+        memcpy(o + 16, t + QK, 16);
+        memcpy(o + QK, t + 16, 16);
+        memcpy(o + QK + 16, t + QK + 16, 16);
+    }
+}
+
 /* dot1(w, ldw, nfull, xq, xd, out): *out = sum over the nfull full blocks b of
    xd[b] * sum_{k in b} w[k] * xq[k] (DOT_ROWS(R) would take R rows at stride ldw). */
 #if defined(SI_AVX2) || defined(SI_AVX512)
@@ -389,23 +414,41 @@ static inline __m256i q4_block(__m256i wv, __m256i xv) {
 
 static void q4_row(const uint8_t *w, const uint16_t *d, int64_t nb, const int8_t *xq,
                    const float *xd, const int32_t *xs, float *out) {
+    /* xq in pair order (pair_blocks) */
 #if defined(SI_AVX2) || defined(SI_AVX512)
     /* the nibbles q + 8 are the unsigned operand as they are: sum (q + 8) x = sum q x +
-       8 sum x, and 8 sum x is taken off as 8 xs[b] (the block's activation sum). Eight blocks
-       at a time: their integer sums are reduced into one vector, then scaled by their eight
-       scales (converted together) in one multiply-add. */
+       8 sum x, and 8 sum x is taken off as 8 xs[b] (the block's activation sum). Two blocks
+       per 32-byte load: their low nibbles times the pair's first 32 activations, their high
+       nibbles times the next 32, give block 2p in lanes 0-3 and 2p + 1 in lanes 4-7. Eight
+       blocks at a time: their integer sums are reduced into one vector, then scaled by their
+       eight scales (converted together) in one multiply-add. */
     __m256 acc = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
-        __m256i p[8];
-        for (int j = 0; j < 8; j++) {
-            __m128i raw = _mm_loadu_si128((const __m128i *)(w + (b + j) * 16));
-            __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (b + j) * QK));
-            p[j] = q4_block(wv, xv);
+        __m256i p[4];
+        for (int j = 0; j < 4; j++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(w + (b + 2 * j) * 16));
+            __m256i lo = _mm256_and_si256(raw, low);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            const int8_t *xp = xq + (b + 2 * j) * QK;
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)xp);
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + QK));
+#if defined(SI_AVXVNNI)
+            p[j] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, x0),
+                                           hi, x1);
+#elif defined(SI_VNNI512)
+            p[j] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, x0), hi, x1);
+#else
+            p[j] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, x0),
+                                                      _mm256_maddubs_epi16(hi, x1)),
+                                     _mm256_set1_epi16(1));
+#endif
         }
-        __m256i sum = sum8(p); /* [8] blocks */
+        /* lanes: blocks 0 2 4 6 | 1 3 5 7 of the eight, then in block order */
+        __m256i sum = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        sum = _mm256_permutevar8x32_epi32(sum, order);
         sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(
                                         _mm256_loadu_si256((const __m256i *)(xs + b)), 3));
         __m256 sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b))),
@@ -413,12 +456,17 @@ static void q4_row(const uint8_t *w, const uint16_t *d, int64_t nb, const int8_t
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), sc, acc);
     }
     float rest = 0.0f;
-    for (; b < nb; b++) {
+    const __m128i low16 = _mm_set1_epi8(0x0F);
+    for (; b < nb; b++) { /* one block, its halves where pair order put them */
         __m128i raw = _mm_loadu_si128((const __m128i *)(w + b * 16));
-        __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-        __m256 v = _mm256_cvtepi32_ps(q4_block(wv, xv));
-        rest += (hsum256(v) - 8.0f * (float)xs[b]) * (_cvtsh_ss(d[b]) * xd[b]);
+        __m128i lo = _mm_and_si128(raw, low16), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low16);
+        __m128i v = _mm_add_epi16(
+            _mm_maddubs_epi16(lo, _mm_loadu_si128((const __m128i *)(xq + xq_lo(b, nb)))),
+            _mm_maddubs_epi16(hi, _mm_loadu_si128((const __m128i *)(xq + xq_hi(b, nb)))));
+        v = _mm_madd_epi16(v, _mm_set1_epi16(1));
+        v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+        v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1));
+        rest += (float)(_mm_cvtsi128_si32(v) - 8 * xs[b]) * (_cvtsh_ss(d[b]) * xd[b]);
     }
     *out = hsum256(acc) + rest;
 #elif defined(SI_NEON_DOT)
@@ -429,8 +477,8 @@ static void q4_row(const uint8_t *w, const uint16_t *d, int64_t nb, const int8_t
         uint8x16_t raw = vld1q_u8(w + b * 16);
         int8x16_t lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(raw, low)), eight);
         int8x16_t hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(raw, 4)), eight);
-        int32x4_t p = vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xq + b * QK));
-        p = vdotq_s32(p, hi, vld1q_s8(xq + b * QK + 16));
+        int32x4_t p = vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xq + xq_lo(b, nb)));
+        p = vdotq_s32(p, hi, vld1q_s8(xq + xq_hi(b, nb)));
         acc = vfmaq_n_f32(acc, vcvtq_f32_s32(p), half_to_float(d[b]) * xd[b]);
     }
     (void)xs;
@@ -439,10 +487,11 @@ static void q4_row(const uint8_t *w, const uint16_t *d, int64_t nb, const int8_t
     (void)xs;
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
+        const int8_t *x0 = xq + xq_lo(b, nb), *x1 = xq + xq_hi(b, nb);
         int32_t s = 0;
         for (int j = 0; j < 16; j++) {
-            s += ((int32_t)(w[b * 16 + j] & 15) - 8) * (int32_t)xq[b * QK + j];
-            s += ((int32_t)(w[b * 16 + j] >> 4) - 8) * (int32_t)xq[b * QK + j + 16];
+            s += ((int32_t)(w[b * 16 + j] & 15) - 8) * (int32_t)x0[j];
+            s += ((int32_t)(w[b * 16 + j] >> 4) - 8) * (int32_t)x1[j];
         }
         acc += (float)s * (half_to_float(d[b]) * xd[b]);
     }
@@ -468,7 +517,10 @@ int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const u
         return -1;
     }
     for (int64_t m = 0; m < M; m++)
+    {
         quantize_blocks(x + m * K, K, 0, nb, xq + m * nb * QK, xd + m * nb, xs + m * nb);
+        pair_blocks(xq + m * nb * QK, 0, nb, nb);
+    }
     threads = clamp_threads(threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -772,6 +824,15 @@ static void quantize_part(const si_model *m, const float *x, int64_t K, int t, i
     quantize_blocks(x, K, b0, b1, m->xq, m->xd, m->xs);
 }
 
+/* The same for 4-bit rows: the members share pairs of blocks, each in pair order. */
+static void quantize_part_pairs(const si_model *m, const float *x, int64_t K, int t, int nt) {
+    int64_t nb = (K + QK - 1) / QK, p0, p1;
+    share((nb + 1) / 2, t, nt, &p0, &p1);
+    int64_t b0 = 2 * p0, b1 = 2 * p1 < nb ? 2 * p1 : nb;
+    quantize_blocks(x, K, b0, b1, m->xq, m->xd, m->xs);
+    pair_blocks(m->xq, b0, b1, nb);
+}
+
 static void barrier(void) {
 #pragma omp barrier
 }
@@ -827,7 +888,7 @@ static void attention_step(const si_model *m, const si_layer *L, float *x, int64
     float *h = m->h, *q = m->q, *k = m->kv, *v = m->kv + nkv * hd;
     if (t == 0) rms_norm(x, L->in_norm, H, m->eps, h);
     barrier();
-    quantize_part(m, h, H, t, nt);
+    (L->q.d ? quantize_part_pairs : quantize_part)(m, h, H, t, nt); /* q, k, v: one format */
     barrier();
     gemv_part(&L->q, m, h, q, t, nt);
     gemv_part(&L->k, m, h, k, t, nt);
@@ -848,7 +909,7 @@ static void attention_step(const si_model *m, const si_layer *L, float *x, int64
         attend(m, L, j, lo, pos, m->scores + t * cap);
     }
     barrier();
-    quantize_part(m, m->att, nh * hd, t, nt);
+    (L->o.d ? quantize_part_pairs : quantize_part)(m, m->att, nh * hd, t, nt);
     barrier();
     gemv_part(&L->o, m, m->att, h, t, nt);
     barrier();
@@ -894,7 +955,7 @@ static void mlp_step_q4(const si_model *m, const si_layer *L, float *x, int t, i
     float *h = m->h, *a = m->a;
     if (t == 0) rms_norm(x, L->pre_mlp_norm, H, m->eps, h);
     barrier();
-    quantize_part(m, h, H, t, nt);
+    quantize_part_pairs(m, h, H, t, nt);
     barrier();
     int64_t n0, n1;
     share(k, t, nt, &n0, &n1);
