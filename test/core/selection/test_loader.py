@@ -264,3 +264,20 @@ def test_corrupt_other_tensor_is_refused(packed_copy):
     _corrupt_middle(packed_copy / OTHER_FILE, info.start + info.nbytes // 2)
     with pytest.raises(FormatError, match=rf"model\.safetensors: checksum mismatch in tensor {name}"):
         SelectiveModel(packed_copy)
+
+
+def test_a_quantized_bfloat16_pack_computes_in_float32_on_the_cpu(tiny_models, tmp_path):
+    """With no dtype given, an int8 pack of a bfloat16 checkpoint computes in float32 on the
+    CPU (the decode kernel's activations: without it the step fell back to torch ops); a dtype
+    given is kept, and a pack with float attention (int8-ffn) keeps its packed dtype."""
+    from selectinfer_ros.core.execution.decode import Decoder
+    from selectinfer_ros.core.format.pack import pack
+    hf, _ = tiny_models["tiny-llama"]
+    for weights, want in (("int8", torch.float32), ("int8-ffn", torch.bfloat16)):
+        out = pack(hf, tmp_path / weights, dtype=torch.bfloat16, weights=weights,
+                   log=lambda s: None).path
+        assert read_manifest(out).dtype == torch.bfloat16
+        sm = SelectiveModel(out, load_ratio=1.0)
+        assert sm.dtype == want and next(sm.model.model.norm.parameters()).dtype == want
+        assert (Decoder(sm.model).native is not None) == (weights == "int8"), weights
+    assert SelectiveModel(tmp_path / "int8", load_ratio=1.0, dtype="bfloat16").dtype == torch.bfloat16
