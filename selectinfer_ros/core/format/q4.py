@@ -181,8 +181,9 @@ def down_reference(a: torch.Tensor, nib: torch.Tensor, d: torch.Tensor) -> torch
 
 def records_down(a: torch.Tensor, rec: torch.Tensor, hidden: int) -> torch.Tensor:
     """The down product of 4-bit neuron records: ``a [..., k]`` (the neurons' activations) ->
-    ``[..., H]`` = ``sum_n a[..., n] * down column n``: on the CPU the kernel's integer product
-    (:func:`down_reference`), elsewhere in float over the dequantized columns."""
+    ``[..., H]`` = ``sum_n a[..., n] * down column n``: with the CPU kernel its integer product
+    (:func:`down_reference`), without it (no compiler, CUDA) in float over the dequantized
+    columns."""
     H, k = hidden, rec.shape[0]
     nib = rec[:, H:3 * H // 2]
     d = rec[:, 3 * H // 2 + H // 8:].view(torch.float16)  # [k, H / 32]

@@ -44,14 +44,14 @@ def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torc
 
 
 def activation_dtype(dtype: str | torch.dtype | None, manifest: Manifest,
-                     device: torch.device) -> torch.dtype:
+                     device: str | torch.device) -> torch.dtype:
     """The dtype a selective model computes in: ``dtype`` when given, else float32 on the CPU
     for a pack whose attention, neurons and output layer are all int8 or 4-bit (the decode
     kernel's step runs on float32 activations, and what stays float is only norms and tables),
     else the packed dtype."""
     if dtype not in (None, "", "auto"):
         return resolve_dtype(dtype, manifest.dtype)
-    if device.type == "cpu" and manifest.int8_other:
+    if torch.device(device).type == "cpu" and manifest.int8_other:
         return torch.float32
     return manifest.dtype
 

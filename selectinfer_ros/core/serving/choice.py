@@ -66,10 +66,10 @@ def _sizes(path: str, opts: ModelOptions) -> tuple[int, int, int, "object"]:
     """(fixed bytes: non-FFN tensors and dense layers, bytes of one layer's full FFN, sparse
     layers, manifest) of a packed folder as ``opts`` would load it."""
     from ..format.pack import read_manifest
-    from ..selection.loader import (dense_layer_count, neuron_bytes, other_bytes_estimate,
-                                    resolve_dtype)
+    from ..selection.loader import (activation_dtype, dense_layer_count, neuron_bytes,
+                                    other_bytes_estimate)
     m = read_manifest(path)
-    dtype = resolve_dtype(opts.dtype or None, m.dtype)
+    dtype = activation_dtype(opts.dtype or None, m, opts.device)
     layer = m.intermediate_size * neuron_bytes(m, dtype)
     dense = dense_layer_count(m.num_layers, opts.dense_layers)
     return other_bytes_estimate(m, dtype) + dense * layer, layer, m.num_layers - dense, m
@@ -79,7 +79,7 @@ def choose_point(opts: ModelOptions, packs: dict[str, str], profiles, log: Calla
                  ) -> LoadRatioChoice:
     """The point to run at (see the module doc) among ``packs`` (weights format -> packed folder);
     logs it. ValueError when no point can run."""
-    from ..selection.loader import load_ratio_for_budget, resolve_dtype
+    from ..selection.loader import activation_dtype, load_ratio_for_budget
     budget = int(opts.memory_budget_mb * 2**20) if opts.memory_budget_mb > 0 else None
     target = opts.min_agreement if opts.min_agreement > 0 else None
     fixed_share = opts.compute_ratio / opts.load_ratio if opts.compute_ratio > 0 else None
@@ -100,7 +100,8 @@ def choose_point(opts: ModelOptions, packs: dict[str, str], profiles, log: Calla
         g_max = 1.0
         if budget is not None:
             try:
-                g_max = load_ratio_for_budget(m, resolve_dtype(opts.dtype or None, m.dtype),
+                g_max = load_ratio_for_budget(m, activation_dtype(opts.dtype or None, m,
+                                                                  opts.device),
                                               budget, opts.dense_layers)
             except ValueError as e:
                 reasons.append(f"{weights or m.weights}: {e}")

@@ -110,8 +110,9 @@ def test_coarse_fine_output_layer_is_exact_on_its_candidates():
 def test_down_product_quantizes_the_coefficients_and_sums_exactly():
     """The down columns of 4-bit records: integer sums over groups of 32 neurons of int8
     coefficients (per group and block of H) times the 4-bit weights, so equal to that
-    computation written in torch (``q4.down_reference``) to float rounding, within 1 % of the float64 product of the
-    dequantized columns (2 % beside an outlier coefficient), on 1 and 2 threads, from a prefix of the records read in place."""
+    computation written in torch (``q4.down_reference``) to float rounding, within 1 % of the
+    float64 product of the dequantized columns (2 % beside an outlier coefficient), on 1 and 2
+    threads, from a prefix of the records read in place."""
     from selectinfer_ros.core.format.pack import q4_record_rows, q4_records
     g = torch.Generator().manual_seed(5)
     H, I = 96, 80

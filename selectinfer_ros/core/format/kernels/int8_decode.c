@@ -370,7 +370,8 @@ int si_linear_i8(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t 
 /* ---------------------------------------------------------------------------------------
    4-bit rows (llama.cpp's Q4_0 values): per block of 32 weights, 16 bytes of nibbles (byte j:
    weight j in the low nibble, weight j + 16 in the high one, stored as q + 8, q in [-8, 7])
-   and one float16 scale: w = q * d. The activations are quantized per block as above.
+   and one float16 scale: w = q * d. The activations are quantized per block as above and
+   stored in pair order (pair_blocks), so that one 32-byte load of nibbles serves two blocks.
 
    y[m, n] = sum_b d[n, b] * xd[m, b] * sum_{k in b} q[n, k] * xq[m, k]
 
@@ -395,20 +396,6 @@ static inline float half_to_float(uint16_t h) {
     }
     v.u = sign | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
     return v.f;
-}
-#endif
-
-#if defined(SI_AVX2) || defined(SI_AVX512)
-/* One 4-bit block: unsigned nibbles wv (q + 8) times signed activations xv, summed to 8 int32
-   lanes. */
-static inline __m256i q4_block(__m256i wv, __m256i xv) {
-#if defined(SI_AVXVNNI)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wv, xv);
-#elif defined(SI_VNNI512)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1));
-#endif
 }
 #endif
 
@@ -516,8 +503,7 @@ int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const u
         free(xd);
         return -1;
     }
-    for (int64_t m = 0; m < M; m++)
-    {
+    for (int64_t m = 0; m < M; m++) {
         quantize_blocks(x + m * K, K, 0, nb, xq + m * nb * QK, xd + m * nb, xs + m * nb);
         pair_blocks(xq + m * nb * QK, 0, nb, nb);
     }
