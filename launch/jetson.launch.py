@@ -43,9 +43,11 @@ PACKAGE = 'selectinfer_ros'
 ARGUMENTS = (
     ('namespace', 'llm', 'namespace of both nodes (the action is <namespace>/generate)'),
     ('params_file', '', 'parameters YAML (default: config/jetson_orin_nano.yaml of the package)'),
-    ('model', '', 'packed model folder (params_file value if empty; there, empty = the '
-                  'embedded Gemma 3 270M)'),
-    ('weights', '', 'records of the embedded model: int8, int8-q4emb, q4, float, ... '
+    ('model', '', 'a model name (qwen2.5-1.5b, qwen2.5-0.5b, smollm2-135m, gemma3-270m: '
+                  'fetched and packed on first use) or a packed model folder (params_file '
+                  'value if empty; there, empty = the embedded Gemma 3 270M)'),
+    ('weights', '', 'records of the embedded model or a model by name: int8, int8-q4emb, q4, '
+                    'float, ... '
                     '(params_file value if empty; '
                     'there, empty = int8 on a CPU, float on CUDA)'),
     ('task', '', 'initial task profile (params_file value if empty; there, empty = general)'),

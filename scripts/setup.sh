@@ -2,7 +2,8 @@
 # One-shot, idempotent setup from a fresh clone (Debian 12 / Python 3.11, no ROS install):
 #   .venv with pinned ROS 2 kilted wheels from PyPI + torch (CPU) + the model stack,
 #   the interface package selectinfer_msgs built with colcon into install/,
-#   and the default model (if selectinfer_ros.core.format.default_model exists).
+#   the default model (if selectinfer_ros.core.format.default_model exists) and SmolLM2-135M by
+#   name (the tests' real Llama-architecture model).
 # A second run only checks stamps and takes seconds.
 set -euo pipefail
 
@@ -147,5 +148,9 @@ if [ -f selectinfer_ros/core/format/default_model.py ]; then
   say "default model"
   "$VPY" -m selectinfer_ros.core.format.default_model
 fi
+
+# --- the real Llama-architecture model of the tests (SmolLM2-135M, 94 MB, once per machine) -------
+say "smollm2-135m (tests)"
+"$VPY" -m selectinfer_ros.cli fetch smollm2-135m --weights float int8 >/dev/null
 
 say "done"

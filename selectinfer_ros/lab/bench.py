@@ -356,7 +356,7 @@ def pack_of(packed: Path, weights: str, log) -> Path:
 def resolve_model(args, log, llama_dir: Path | None = None) -> tuple[Path, Path | None]:
     """The packed model (and profiles) to bench: --model, a random --preset, or the embedded one.
     With a llama.cpp build, a preset's checkpoint is also converted to GGUF (once)."""
-    from ..core.format.default_model import ensure_packed
+    from ..core.format.models import resolve
     from ..core.format.paths import cache_root
     from ..core.format.paths import default_profiles_dir
     if args.preset:
@@ -397,7 +397,7 @@ def resolve_model(args, log, llama_dir: Path | None = None) -> tuple[Path, Path 
         if not any(profiles.glob("*.safetensors")):
             random_profile(packed, profiles, log)
         return packed, profiles
-    packed = Path(args.model) if args.model else ensure_packed(log)
+    packed = resolve(args.model or "", "float", log)
     prof = Path(args.profiles) if args.profiles else default_profiles_dir(read_manifest(packed).model_id)
     return packed, prof if prof.is_dir() else None
 

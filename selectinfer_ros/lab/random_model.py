@@ -72,8 +72,9 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
 
 
 def make_random_model(preset: str, out: str | Path, dtype: torch.dtype = torch.float32,
-                      seed: int = 0, std: float = 0.02) -> Path:
-    """Write a random-weight Hugging Face checkpoint of ``preset``'s shapes to ``out``."""
+                      seed: int = 0, std: float = 0.02, bias_std: float = 0.0) -> Path:
+    """Write a random-weight Hugging Face checkpoint of ``preset``'s shapes to ``out``; biases
+    (Qwen2's q/k/v projections) are zero, or drawn with ``bias_std`` when it is nonzero."""
     from transformers import AutoModelForCausalLM
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -90,7 +91,8 @@ def make_random_model(preset: str, out: str | Path, dtype: torch.dtype = torch.f
         if name.endswith("norm.weight") or "layernorm" in name:
             t = torch.zeros(shape) if config.model_type == "gemma3_text" else torch.ones(shape)
         elif name.endswith(".bias"):
-            t = torch.zeros(shape)
+            t = torch.empty(shape).normal_(0.0, bias_std, generator=g) if bias_std else \
+                torch.zeros(shape)
         else:
             t = torch.empty(shape).normal_(0.0, std, generator=g)
         w.write(name, t.to(dtype))

@@ -293,8 +293,8 @@ _ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 def native_unsupported(d: Decoder) -> str | None:
     """Why the int8 decode kernel cannot run ``d``'s model (None when it can): it needs int8 or
-    4-bit attention projections without bias and int8 or 4-bit neuron slots in every layer,
-    float32 activations on the CPU, and the compiled kernel."""
+    4-bit attention projections (a float bias ``[N]`` each allowed: Qwen2) and int8 or 4-bit
+    neuron slots in every layer, float32 activations on the CPU, and the compiled kernel."""
     from ..selection.selective_mlp import SelectiveMLP
     if d.device.type != "cpu" or d.dtype != torch.float32:
         return "int8 decode kernel: float32 on the CPU only"
@@ -303,6 +303,9 @@ def native_unsupported(d: Decoder) -> str | None:
     for l in d.layers:
         if not all(isinstance(m, (int8.Int8Linear, q4.Q4Linear)) for m in (l.q, l.k, l.v, l.o)):
             return "float attention projections"
+        if any(m.bias is not None and tuple(m.bias.shape) != (m.out_features,)
+               for m in (l.q, l.k, l.v, l.o)):
+            return "attention projection biases of an unexpected shape"
         if not isinstance(l.mlp, SelectiveMLP) or (l.mlp.gu_scale is None and l.mlp.rec is None):
             return "float neuron slots"
     if {l.input_norm.eps for l in d.layers} != {d.final_norm.eps}:
@@ -362,12 +365,18 @@ class NativeInt8Step:
             for name in ("q", "k", "v", "o"):
                 lin = getattr(l, name)
                 w = lin.weight
+                bias = None  # float32 [n] (Qwen2's q/k/v), kept alive in self._keep
+                if lin.bias is not None:
+                    b = lin.bias.float().contiguous()
+                    self._keep.append(b)
+                    bias = b.data_ptr()
                 if isinstance(lin, q4.Q4Linear):  # nibbles [n, k / 2], float16 scales [n, k / 32]
                     setattr(c, name, native.Mat(w.data_ptr(), None, w.shape[0], lin.in_features,
-                                                w.stride(0), lin.scale.data_ptr(), lin.scale.stride(0)))
+                                                w.stride(0), lin.scale.data_ptr(), lin.scale.stride(0),
+                                                bias))
                 else:
                     setattr(c, name, native.Mat(w.data_ptr(), lin.scale.data_ptr(), w.shape[0],
-                                                w.shape[1], w.stride(0), None, 0))
+                                                w.shape[1], w.stride(0), None, 0, bias))
             c.k_cache, c.v_cache = d.k_cache[i].data_ptr(), d.v_cache[i].data_ptr()
             cos, sin = d.tables[l.rope]
             c.cos, c.sin = cos.data_ptr(), sin.data_ptr()

@@ -60,18 +60,23 @@ def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None) -> torc
 
 
 class Int8Linear(nn.Module):
-    """A bias-free linear layer over int8 rows and their scales (``weight`` ``[N, K]`` int8,
-    ``scale`` ``[N]`` float32)."""
+    """A linear layer over int8 rows and their scales (``weight`` ``[N, K]`` int8, ``scale``
+    ``[N]`` float32), with an optional float ``bias`` ``[N]`` (Qwen2's q/k/v projections; None:
+    none), stored as in the checkpoint under ``<name>.bias``."""
 
-    def __init__(self, out_features: int, in_features: int, device: torch.device | str = "cpu"):
+    def __init__(self, out_features: int, in_features: int, device: torch.device | str = "cpu",
+                 bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8,
                                                    device=device))
         self.register_buffer("scale", torch.empty(out_features, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32, device=device)
+                             if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.scale)
+        y = linear(x, self.weight, self.scale)  # [..., N], a fresh tensor
+        return y.add_(self.bias) if self.bias is not None else y
 
 
 class Int8Embedding(nn.Module):

@@ -96,10 +96,12 @@ def linear(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor) -> torch.Tens
 
 
 class Q4Linear(nn.Module):
-    """A bias-free linear layer over 4-bit rows (``weight`` uint8 ``[N, K / 2]``, ``scale``
-    float16 ``[N, K / 32]``)."""
+    """A linear layer over 4-bit rows (``weight`` uint8 ``[N, K / 2]``, ``scale`` float16
+    ``[N, K / 32]``), with an optional float ``bias`` ``[N]`` (Qwen2's q/k/v projections; None:
+    none), stored as in the checkpoint under ``<name>.bias``."""
 
-    def __init__(self, out_features: int, in_features: int, device: torch.device | str = "cpu"):
+    def __init__(self, out_features: int, in_features: int, device: torch.device | str = "cpu",
+                 bias: bool = False):
         super().__init__()
         if in_features % QK:
             raise ValueError(f"4-bit rows need a multiple of {QK} columns, got {in_features}")
@@ -108,15 +110,20 @@ class Q4Linear(nn.Module):
                                                    dtype=torch.uint8, device=device))
         self.register_buffer("scale", torch.empty(out_features, in_features // QK,
                                                   dtype=torch.float16, device=device))
+        self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32, device=device)
+                             if bias else None)
 
     @classmethod
-    def from_float(cls, w: torch.Tensor) -> "Q4Linear":
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Q4Linear":
+        """The 4-bit rows of ``w`` ``[N, K]`` (and ``bias`` ``[N]`` as it is)."""
         m = cls(w.shape[0], w.shape[1], w.device)
         m.weight, m.scale = quantize(w)
+        m.bias = bias
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.scale)
+        y = linear(x, self.weight, self.scale)  # [..., N], a fresh tensor
+        return y.add_(self.bias) if self.bias is not None else y
 
 
 class Q4Embedding(nn.Module):

@@ -30,6 +30,26 @@ def read_prompts(path: str | Path) -> list[dict]:
     return [{"text": ln.strip()} for ln in lines]
 
 
+CHAT_MODES = ("none", "only", "both")
+
+
+def chat_records(tokenizer, records: list[dict], mode: str = "only") -> list[dict]:
+    """``records`` as the model's chat template writes them (``mode`` ``only``), or those and
+    the plain ones (``both``; ``none``: as given): the prompt (or text) is the user's turn, the
+    reference the model's reply. Instruction-tuned models are asked this way on a robot."""
+    if mode == "none":
+        return list(records)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--chat: this model's tokenizer has no chat template")
+    chat = []
+    for r in records:
+        user = r.get("prompt", r.get("text", ""))
+        turn = tokenizer.apply_chat_template([{"role": "user", "content": user.strip()}],
+                                             add_generation_prompt=True, tokenize=False)
+        chat.append({"text": turn + r.get("reference", "").strip() if "prompt" in r else turn})
+    return chat if mode == "only" else list(records) + chat
+
+
 def split_heldout(records: list, every: int = 5, min_records: int = 8) -> tuple[list, list]:
     """(profiling part, held-out part): every ``every``-th record is held out for the quality
     curve; files of fewer than ``min_records`` records are not split (no held-out part)."""

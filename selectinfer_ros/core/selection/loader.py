@@ -69,7 +69,8 @@ def build_skeleton(path: Path, dtype: torch.dtype):
 def _int8_modules(model: nn.Module, tensors: dict, dtype: torch.dtype) -> None:
     """Swap the linear layers (and the token embedding) whose weights the packed file holds as
     int8 (4-bit: uint8 nibbles) for int8 (4-bit) modules; a tied output layer shares the
-    embedding's rows."""
+    embedding's rows. A layer with a bias (Qwen2's q/k/v projections: ``<path>.bias`` in the
+    file, float) keeps one, under the same name."""
     for name, info in tensors.items():
         if info.dtype not in (torch.int8, torch.uint8) or not name.endswith(".weight"):
             continue
@@ -85,7 +86,8 @@ def _int8_modules(model: nn.Module, tensors: dict, dtype: torch.dtype) -> None:
             emb.dtype = dtype
             setattr(parent, attr, emb)
         else:
-            setattr(parent, attr, (Q4Linear if four else Int8Linear)(n, k))
+            bias = f"{path}.bias" in tensors or getattr(old, "bias", None) is not None
+            setattr(parent, attr, (Q4Linear if four else Int8Linear)(n, k, bias=bias))
 
 
 def _load_other(model: nn.Module, config, path: Path, dtype: torch.dtype,

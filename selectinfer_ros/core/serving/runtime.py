@@ -28,28 +28,29 @@ CHOICE_WEIGHTS = ("int8", "int8-q4emb", "float")  # the embedded model's records
 
 
 def weights_for(opts: ModelOptions) -> str:
-    """The embedded model's records when ``opts`` do not choose them: ``weights``, else int8 on
-    a CPU (the int8 decode kernel) and float on CUDA (int8 rows would be dequantized per product
-    there: smaller, not faster)."""
+    """The records of a model by name (or the embedded one) when ``opts`` do not choose them:
+    ``weights``, else int8 on a CPU (the int8 decode kernel) and float on CUDA (int8 rows would
+    be dequantized per product there: smaller, not faster)."""
     from ..format.default_model import DEFAULT_WEIGHTS
     return opts.weights or (DEFAULT_WEIGHTS if opts.device == "cpu" else "float")
 
 
 def model_path(opts: ModelOptions, log: Callable[[str], None] = lambda s: None,
                weights: str | None = None) -> str:
-    """The packed model folder of ``opts`` (the embedded model, with ``weights`` records or
-    :func:`weights_for`, prepared once, when ``model`` is empty)."""
-    if opts.model:
-        return opts.model
-    from ..format.default_model import ensure_packed
-    return str(ensure_packed(log=log, weights=weights or weights_for(opts)))
+    """The packed model folder of ``opts``: a folder as given; the embedded model (``model``
+    empty) or a model by name with ``weights`` records or :func:`weights_for`, fetched and
+    packed once on first use."""
+    from ..format.models import resolve
+    return str(resolve(opts.model, weights or weights_for(opts), log))
 
 
 def candidate_packs(opts: ModelOptions, log: Callable[[str], None]) -> dict[str, str]:
     """Weights format -> packed folder among which memory_budget_mb / min_agreement choose: the
-    embedded model's int8, int8-q4emb (4-bit output layer) and float records when ``weights`` is
-    empty on a CPU (each packed once, on first use), else the one."""
-    if opts.model or opts.weights or opts.device != "cpu":
+    int8, int8-q4emb (4-bit output layer) and float records of the embedded model or a model by
+    name when ``weights`` is empty on a CPU (each packed once, on first use), else the one."""
+    from ..format.models import is_model_name
+    by_name = not opts.model or is_model_name(opts.model)
+    if not by_name or opts.weights or opts.device != "cpu":
         return {"": model_path(opts, log)}
     return {w: model_path(opts, log, w) for w in CHOICE_WEIGHTS}
 

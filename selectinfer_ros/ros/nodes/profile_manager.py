@@ -74,11 +74,13 @@ class ProfileManager(LifecycleNodeMixin, Node):
         from ...core.format.pack import read_manifest
         from ...core.format.paths import default_profiles_dir
         from ...core.selection.profiles import ProfileCatalog
+        from ...core.format.models import is_model_name
         from .settings import embedded_model_path
         s = self.settings
         log = self.get_logger()
         try:
-            path = Path(s.model) if s.model else embedded_model_path(convert=True, log=log.info)
+            path = Path(s.model) if s.model and not is_model_name(s.model) else \
+                embedded_model_path(convert=True, log=log.info, name=s.model)
             manifest = read_manifest(path)
             folder = Path(s.profiles) if s.profiles else default_profiles_dir(manifest.model_id)
             catalog = ProfileCatalog(folder, manifest)

@@ -20,32 +20,35 @@ __all__ = ["ManagerSettings", "NodeSettings", "ParamError", "apply_changes", "ch
            "declare", "embedded_model_path"]
 
 
-def embedded_model_path(convert: bool = False, log: Callable[[str], None] = lambda s: None) -> Path | None:
-    """A packed embedded model (its records do not matter to the file checks: every pack of it
-    has the same fingerprint); ``None`` when none is prepared yet and ``convert`` is false, else
-    the default records are packed."""
-    from ...core.format import default_model
-    from ...core.format.pack import is_packed
-    for weights in (default_model.DEFAULT_WEIGHTS, "float"):
-        if is_packed(default_model.packed_dir(weights)):
-            return default_model.packed_dir(weights)
-    return default_model.ensure_packed(log=log, weights=default_model.DEFAULT_WEIGHTS) \
-        if convert else None
+def embedded_model_path(convert: bool = False, log: Callable[[str], None] = lambda s: None,
+                        name: str = "") -> Path | None:
+    """A packed embedded model, or of the model ``name`` from the catalog (its records do not
+    matter to the file checks: every pack of a model has the same fingerprint); ``None`` when
+    none is prepared yet and ``convert`` is false, else the default records are packed."""
+    from ...core.format import default_model, models
+    name = name or default_model.MODEL_ID
+    found = models.prepared_pack(name, (default_model.DEFAULT_WEIGHTS, "float"))
+    if found is not None or not convert:
+        return found
+    return models.ensure_packed(name, log, default_model.DEFAULT_WEIGHTS)
 
 
 def check_model_files(model: str, profiles: str, task: str, need_profiles: bool = True) -> None:
     """The model folder is a packed model, the profiles folder exists and every profile in it
     matches the model; ``task`` (if given) is one of them. Raises ParamError with the reason.
-    With ``model`` empty (the embedded model) the checks run only once it is converted."""
+    With ``model`` empty (the embedded model) or a catalog name the checks run only once it is
+    fetched and packed (else when it loads)."""
+    from ...core.format.models import is_model_name
     from ...core.format.pack import read_manifest
     from ...core.format.paths import default_profiles_dir
     from ...core.selection.profiles import ProfileCatalog
-    if model:
+    if model and not is_model_name(model):
         if not Path(model).is_dir():
-            raise ParamError(f"model: folder {model} does not exist")
+            raise ParamError(f"model: folder {model} does not exist (nor is it a model name: "
+                             f"{', '.join(_names())})")
         path = Path(model)
     else:
-        path = embedded_model_path(convert=False)
+        path = embedded_model_path(convert=False, name=model)
         if path is None:
             return  # converted (and then checked) when the model loads
     try:
@@ -70,6 +73,11 @@ def check_model_files(model: str, profiles: str, task: str, need_profiles: bool 
     if task and task not in catalog.tasks:
         raise ParamError(f"task: unknown task {task!r}; profiles in {folder}: "
                          f"{', '.join(catalog.tasks)}")
+
+
+def _names() -> list[str]:
+    from ...core.format.models import CATALOG
+    return list(CATALOG)
 
 
 def _descriptor(f):

@@ -5,11 +5,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from selectinfer_ros.core.execution.decode import Decoder, unsupported
+from selectinfer_ros.core.execution.decode import Decoder, native_unsupported, unsupported
 from selectinfer_ros.core.execution.engine import Engine, GenerationConfig
 from selectinfer_ros.core.selection.loader import SelectiveModel, load_dense
 from selectinfer_ros.core.format.pack import pack
-from selectinfer_ros.core.format import q4
+from selectinfer_ros.core.format import int8, q4
+from selectinfer_ros.lab.random_model import make_random_model
 
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-gemma3")
 
@@ -187,26 +188,99 @@ def _dense_q4_reference(packed, sm):
     return model
 
 
+def _layer_by_layer(ref, model, ids: list[int]) -> list[float]:
+    """Teacher-forced: every decoder layer of ``model`` and its final norm run on the input the
+    same module of ``ref`` got, so that an 8-bit rounding step that a last-bit difference moves
+    on one side stays in its layer and position (unforced, one moved in the k or v of an early
+    position reaches every later position through attention, whatever the instruction set's
+    summation order). Sorted, per layer output and position, then per position of the logits:
+    max |model - ref| / std(ref)."""
+    def stages(m):
+        return [*m.model.layers, m.model.norm]
+
+    def first(t):
+        return t[0] if isinstance(t, tuple) else t
+    seen = []
+    hooks = [s.register_forward_hook(lambda m, args, out: seen.append((args[0], first(out))))
+             for s in stages(ref)]
+    want = ref(torch.tensor([ids])).logits
+    for h in hooks:
+        h.remove()
+    got, hooks = [], []
+    for s, (x, _) in zip(stages(model), seen):
+        hooks.append(s.register_forward_pre_hook(lambda m, args, x=x: (x, *args[1:])))
+        hooks.append(s.register_forward_hook(lambda m, args, out: got.append(first(out))))
+    got.append(model(torch.tensor([ids])).logits)  # after the stages' outputs
+    for h in hooks:
+        h.remove()
+    pairs = list(zip(got[:-2], [out for _, out in seen[:-1]])) + [(got[-1], want)]  # no norm
+    return sorted(float(r) for g, w in pairs for r in ((g - w).abs().amax(-1) / w.std()).flatten())
+
+
 @pytest.mark.parametrize("family,weights", [("tiny-llama", "q4-all"), ("tiny-gemma3", "q4"),
                                             ("tiny-gemma3", "q4-all")])
 def test_q4_records_selective_and_decode_kernel_equal_dense_q4(tiny_models, tmp_path, family,
                                                                weights):
     """4-bit records: SelectiveModel at gamma = phi = 1 (torch ops: the records' gate/up and down
     products read in place) equals the dense q4 model over the dequantized weights to float
-    rounding, and so does the decode kernel step by step (int8 or, q4-all, 4-bit attention)."""
+    rounding, layer by layer (teacher-forced), and so does the decode kernel step by step (int8
+    or, q4-all, 4-bit attention)."""
     hf, _ = tiny_models[family]
     packed = pack(hf, tmp_path / "q4", weights=weights, log=lambda s: None).path
     ids = torch.randint(4, 500, (24,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.no_grad():
         sm = SelectiveModel(packed, load_ratio=1.0)
-        want = _dense_q4_reference(packed, sm)(torch.tensor([ids])).logits[0].float()  # [T, V]
-        got = sm.model(torch.tensor([ids])).logits[0].float()
-    scale = float(want.std())
-    rel = sorted(float(r) for r in (got - want).abs().amax(-1) / scale)  # per position
-    # a last-bit difference can move one 8-bit activation across a rounding step
+        rel = _layer_by_layer(_dense_q4_reference(packed, sm), sm.model, ids)
+    # a last-bit difference can move one 8-bit activation across a rounding step (in one layer
+    # and position)
     assert rel[len(rel) // 2] < 1e-5 and rel[-1] < 0.05, rel
     # the decode kernel, step by step from the torch-ops decoder's cache (which equals the
     # transformers forward): a last-bit difference can move one activation across an 8-bit
     # rounding step, so most steps equal to float rounding, the others within that noise
     diffs, top1 = _kernel_vs_torch_ops(sm, ids, 10)
     assert diffs[len(diffs) // 2] < 1e-5 and diffs[-1] < 0.2 and top1 >= 0.9, (family, diffs)
+
+
+@pytest.fixture(scope="module")
+def biased_qwen2(tmp_path_factory):
+    """A tiny Qwen2 checkpoint whose q/k/v projection biases are large and random (the shared
+    fixture's are zero, as transformers initialises them)."""
+    return make_random_model("tiny-qwen2", tmp_path_factory.mktemp("qwen2-bias") / "hf", std=0.1,
+                             bias_std=0.5)
+
+
+@pytest.mark.parametrize("weights", ["int8", "q4-all"])
+def test_qwen2_attention_biases_on_quantized_packs_and_in_the_decode_kernel(biased_qwen2,
+                                                                           tmp_path, weights):
+    """Qwen2's q/k/v biases stay float in an int8 / 4-bit pack, load into the quantized
+    projections under their names, matter (the model follows the float one far better than
+    the float one without biases does), and the decode kernel adds them: its step equals the
+    torch-ops step to float rounding (as for Llama / Gemma above)."""
+    from safetensors.torch import load_file
+    packed = pack(biased_qwen2, tmp_path / weights, weights=weights, log=lambda s: None).path
+    sm = SelectiveModel(packed, load_ratio=1.0)
+    src = load_file(str(biased_qwen2 / "model.safetensors"))
+    cls = q4.Q4Linear if weights == "q4-all" else int8.Int8Linear
+    for i, blk in enumerate(sm.model.model.layers):
+        att = blk.self_attn
+        assert all(isinstance(m, cls) for m in (att.q_proj, att.k_proj, att.v_proj, att.o_proj))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            b = getattr(att, name).bias
+            want = src[f"model.layers.{i}.self_attn.{name}.bias"]
+            assert b.dtype == torch.float32 and torch.equal(b, want) and float(want.abs().max()) > 0.5
+        assert att.o_proj.bias is None
+    ids = torch.randint(4, 500, (24,), generator=torch.Generator().manual_seed(6)).tolist()
+    ref = AutoModelForCausalLM.from_pretrained(biased_qwen2, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+        got = sm.model(torch.tensor([ids])).logits[0]
+        for blk in ref.model.layers:
+            for m in (blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj):
+                m.bias.zero_()
+        unbiased = ref(torch.tensor([ids])).logits[0]
+    err = float((got - want).abs().max() / want.std())
+    assert err < 0.5 * float((unbiased - want).abs().max() / want.std()), err
+    e = Engine.from_selective(sm)
+    assert native_unsupported(e.decoder) is None and e.decoder.path == "int8 decode kernel"
+    diffs, top1 = _kernel_vs_torch_ops(sm, ids, 10)
+    assert diffs[len(diffs) // 2] < 1e-5 and diffs[-1] < 0.2 and top1 >= 0.9, (weights, diffs)

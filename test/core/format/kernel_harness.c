@@ -6,7 +6,8 @@
    - "q4 <i> <threads> <values...>": si_linear_q4 (4-bit rows) likewise,
    - "axpy <i> <threads> <values...>": si_axpy_q4 (the down product of 4-bit records),
    - "decode <pos> <values...>": the hidden state after si_decode_layers of a small random
-     int8 model (2 layers, GQA, q/k norms, a sliding window, a partial active prefix),
+     int8 model (2 layers, GQA, q/k norms, q/k/v biases, a sliding window, a partial active
+     prefix),
    - "decode4 <pos> <values...>": the same for a 4-bit model (4-bit projections and records),
    all from a fixed pseudo-random sequence, as %a (exact) floats. */
 #include "int8_decode.c"
@@ -41,7 +42,7 @@ static void print(const char *what, int64_t a, int64_t b, const float *y, int64_
 }
 
 static si_mat mat(int64_t n, int64_t k) {
-    si_mat m = {qrows(n * k), frand(n, 0.001f, 0.02f), n, k, k, NULL, 0};
+    si_mat m = {qrows(n * k), frand(n, 0.001f, 0.02f), n, k, k, NULL, 0, NULL};
     return m;
 }
 
@@ -55,7 +56,7 @@ static uint16_t *scales16(int64_t n) {
 
 /* n 4-bit rows of k: nibbles [n, k / 2] and scales [n, k / 32] */
 static si_mat mat4(int64_t n, int64_t k) {
-    si_mat m = {qrows(n * k / 2), NULL, n, k, k / 2, scales16(n * k / QK), k / QK};
+    si_mat m = {qrows(n * k / 2), NULL, n, k, k / 2, scales16(n * k / QK), k / QK, NULL};
     return m;
 }
 
@@ -133,6 +134,9 @@ int main(void) {
         ly->k = mat(nkv * hd, H);
         ly->v = mat(nkv * hd, H);
         ly->o = mat(H, nh * hd);
+        ly->q.bias = frand(nh * hd, -0.5f, 0.5f); /* Qwen2: biased q, k, v */
+        ly->k.bias = frand(nkv * hd, -0.5f, 0.5f);
+        ly->v.bias = frand(nkv * hd, -0.5f, 0.5f);
         ly->k_cache = calloc(nkv * cap * hd, sizeof(float));
         ly->v_cache = calloc(nkv * cap * hd, sizeof(float));
         ly->cos = cos;
@@ -153,10 +157,14 @@ int main(void) {
     }
     for (int l = 0; l < L; l++) { /* the same model over 4-bit rows and records */
         si_layer *ly = &layers[l];
+        const float *qb = ly->q.bias, *kb = ly->k.bias, *vb = ly->v.bias;
         ly->q = mat4(nh * hd, H);
         ly->k = mat4(nkv * hd, H);
         ly->v = mat4(nkv * hd, H);
         ly->o = mat4(H, nh * hd);
+        ly->q.bias = qb;
+        ly->k.bias = kb;
+        ly->v.bias = vb;
         ly->rec = records4(loaded, H);
         ly->rec_ld = 3 * (H / 2 + H / 16);
         memset(ly->k_cache, 0, (size_t)(nkv * cap * hd) * sizeof(float));

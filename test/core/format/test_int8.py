@@ -41,6 +41,27 @@ def test_kernel_reads_a_column_prefix_of_wider_rows():
     assert float((y - ref).abs().max() / ref.abs().max()) < 0.01
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_with_a_bias_adds_it_to_the_product(dtype):
+    """Qwen2's q/k/v projections: the int8 product of the rows, plus the float bias; the bias is
+    a buffer named ``bias`` (the checkpoint's ``<name>.bias``), absent without one."""
+    g = torch.Generator().manual_seed(11)
+    layer = int8.Int8Linear(40, 96, bias=True)
+    assert set(layer.state_dict()) == {"weight", "scale", "bias"}
+    assert set(int8.Int8Linear(40, 96).state_dict()) == {"weight", "scale"}
+    layer.weight, layer.scale = int8.quantize_rows(torch.randn(40, 96, generator=g))
+    layer.bias = (torch.randn(40, generator=g) * 5.0).to(dtype)
+    x = torch.randn(3, 1, 96, generator=g).to(dtype)
+    ref = _reference(x.view(3, 96), layer.weight, layer.scale)  # [3, 40] float32
+    want = ref + layer.bias.float()
+    y = layer(x)
+    assert y.shape == (3, 1, 40) and y.dtype == dtype
+    err = float((y.view(3, 40).float() - want).abs().max())
+    tol = 0.01 * float(want.abs().max()) + (0.05 if dtype == torch.bfloat16 else 0.0)
+    assert err < tol, err
+    assert float((y.view(3, 40).float() - ref).abs().max()) > 10 * tol  # the bias is there
+
+
 def test_quantize_rows_round_trips_within_half_a_step():
     w = torch.randn(50, 70)
     q, scale = int8.quantize_rows(w)

@@ -67,11 +67,35 @@ def test_kernel_matches_the_float_product_of_the_dequantized_rows(n, k, m):
                           atol=0.01 * float(ref.abs().max()) + 1e-3, rtol=0.05)
 
 
+def test_q4_linear_with_a_bias_adds_it_to_the_product():
+    """Qwen2's q/k/v projections as 4-bit rows: the product of the dequantized rows plus the
+    float bias, a buffer named ``bias`` (the checkpoint's ``<name>.bias``)."""
+    g = torch.Generator().manual_seed(12)
+    w, b = torch.randn(40, 96, generator=g), torch.randn(40, generator=g) * 5.0
+    layer = q4.Q4Linear.from_float(w, b)
+    assert set(layer.state_dict()) == {"weight", "scale", "bias"}
+    assert set(q4.Q4Linear(40, 96).state_dict()) == {"weight", "scale"}
+    empty = q4.Q4Linear(40, 96, bias=True)
+    assert empty.bias.shape == (40,) and empty.bias.dtype == torch.float32
+    x = torch.randn(3, 1, 96, generator=g)
+    ref = x.view(3, 96) @ q4.dequantize(layer.weight, layer.scale).T  # [3, 40]
+    want = ref + b
+    y = layer(x)
+    assert y.shape == (3, 1, 40)
+    tol = 0.01 * float(want.abs().max())  # activations quantized per block of 32 to 8 bits
+    assert float((y.view(3, 40) - want).abs().max()) < tol
+    assert float((y.view(3, 40) - ref).abs().max()) > 10 * tol  # the bias is there
+
+
 @pytest.mark.parametrize("isa", [n for n, _ in kernel.candidates()])
 def test_every_path_of_this_cpu_equals_the_plain_c_path(isa):
     plain, k = kernel.load(isa="plain"), kernel.load(isa=isa)
     g = torch.Generator().manual_seed(3)
-    for n, kk, m in [(7, 64, 3), (64, 640, 1), (33, 96, 2), (130, 2048, 2), (9, 416, 3)]:
+    # blocks: 2 (one pair), 20, 3 (a pair and an unpaired one), 64, 13 (eight at once, then
+    # five one by one from pair order), 1 (unpaired), 9 (eight, then an unpaired one), and a
+    # tiny model's rows against 24 activation rows
+    for n, kk, m in [(7, 64, 3), (64, 640, 1), (33, 96, 2), (130, 2048, 2), (9, 416, 3),
+                     (5, 32, 2), (11, 288, 2), (64, 64, 24)]:
         packed, d = q4.quantize(torch.randn(n, kk, generator=g))
         x = torch.randn(m, kk, generator=g)
         out = {}
@@ -146,7 +170,9 @@ def test_down_product_quantizes_the_coefficients_and_sums_exactly():
 def test_every_path_of_this_cpu_computes_the_down_product_as_the_plain_c_path(isa):
     plain, k = kernel.load(isa="plain"), kernel.load(isa=isa)
     g = torch.Generator().manual_seed(4)
-    for n, H, m in [(7, 64, 3), (130, 640, 1), (33, 96, 2)]:
+    # neurons: partial groups of 32, eight whole ones (a tiny model's 256 against 24 rows);
+    # blocks of H: 2, 20 (eight at once in the coefficients, then four alone), 3, 8
+    for n, H, m in [(7, 64, 3), (130, 640, 1), (33, 96, 2), (256, 64, 24), (70, 256, 2)]:
         packed, d = q4.quantize(torch.randn(n, H, generator=g))
         a = torch.randn(m, n, generator=g)
         out = {}

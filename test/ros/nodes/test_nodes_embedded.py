@@ -109,3 +109,18 @@ def test_min_agreement_parameter_and_expected_agreement_in_diagnostics(llm_graph
     expected = float(prof['expected_agreement'])
     assert 0.6 <= expected <= 1.0
     assert abs(expected - curve.expected_agreement(rt.load_ratio, rt.compute_ratio)) < 1e-6
+
+
+def test_a_model_by_name_is_served_and_switches_task(llm_graph, smollm2, smollm2_profiles):
+    """`model: smollm2-135m` (a real Llama-architecture model by name, fetched into the cache):
+    the node loads its int8 pack, answers through the action and a switch reads base neurons."""
+    g = llm_graph(model='smollm2-135m', profiles=str(smollm2_profiles), task='navigation',
+                  load_ratio=0.7, compute_ratio=0.5, static_ratio=0.3).ready(timeout=180.0)
+    rt = g.node.runtime
+    assert rt.model_id == 'smollm2-135m' and rt.selective.manifest.weights == 'int8'
+    run = g.run(g.goal('What is the capital of France? Answer in one word.', max_new_tokens=8,
+                       use_chat_template=True), timeout=120.0)
+    assert run.status == GoalStatus.STATUS_SUCCEEDED and run.result.text.strip()
+    resp = g.call(ReloadBase, 'reload_base', ReloadBase.Request(task='qa'), timeout=120.0)
+    assert resp.success and resp.active_task == 'qa', resp.message
+    assert 0 < resp.bytes_read < rt.bytes_read and resp.neurons_read > 0

@@ -39,7 +39,7 @@
 #endif
 
 #ifndef SI_ABI_VERSION
-#define SI_ABI_VERSION 5
+#define SI_ABI_VERSION 6
 #endif
 
 #if defined(SI_PLAIN)
@@ -698,10 +698,11 @@ int si_axpy_q4(const float *a, int64_t M, int64_t k, const uint8_t *w, const uin
 /* ---------------------------------------------------------------------------------------
    One decode step of a whole int8 model, for one token (batch 1), in float32 activations.
 
-   Every decoder layer: h = norm(x); q, k, v = W h (one quantization of h for the three);
-   per-head q/k norms (Gemma 3); rotary embedding from tables; k, v into the cache at pos;
-   attention of each query head over its kv head's cached keys (a sliding window where set);
-   o = Wo att; x += post_norm(o) (post norm Gemma 3 only). Then h = norm(x); the active
+   Every decoder layer: h = norm(x); q, k, v = W h (one quantization of h for the three)
+   plus each projection's bias where set (si_mat.bias: Qwen2); per-head q/k norms (Gemma 3);
+   rotary embedding from tables; k, v into the cache at pos; attention of each query head
+   over its kv head's cached keys (a sliding window where set); o = Wo att (+ bias);
+   x += post_norm(o) (post norm Gemma 3 only). Then h = norm(x); the active
    prefix of the neuron slots: gate/up rows (interleaved, [k, 2, H]), a = act(gate) * up *
    down_scale, y = Down[:, :n_active] a; x += post_norm(y).
    A 4-bit model (pack --weights q4): the projections may be 4-bit rows (si_mat.d) and the
@@ -722,6 +723,7 @@ typedef struct {
     int64_t n, k, ldw;
     const uint16_t *d; /* 4-bit rows: float16 block scales [n, k / 32] at row stride ldd */
     int64_t ldd;
+    const float *bias; /* [n]; NULL: none (Qwen2's q/k/v projections have one) */
 } si_mat;
 
 typedef struct {
@@ -789,7 +791,7 @@ static void rms_norm(const float *x, const float *w, int64_t n, float eps, float
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
-/* This member's share of y = W . x (x quantized as m->xq, m->xd); no barrier. */
+/* This member's share of y = W . x (+ bias) (x quantized as m->xq, m->xd); no barrier. */
 static void gemv_part(const si_mat *mt, const si_model *m, const float *x, float *y, int t,
                       int nt) {
     int64_t n0, n1;
@@ -798,9 +800,11 @@ static void gemv_part(const si_mat *mt, const si_model *m, const float *x, float
         const uint8_t *w = (const uint8_t *)mt->w;
         for (int64_t n = n0; n < n1; n++)
             q4_row(w + n * mt->ldw, mt->d + n * mt->ldd, mt->k / QK, m->xq, m->xd, m->xs, y + n);
-        return;
+    } else {
+        rows_q(mt->w, mt->ldw, mt->k, mt->scale, m->xq, m->xd, x, y, n0, n1);
     }
-    rows_q(mt->w, mt->ldw, mt->k, mt->scale, m->xq, m->xd, x, y, n0, n1);
+    if (mt->bias)
+        for (int64_t n = n0; n < n1; n++) y[n] += mt->bias[n];
 }
 
 /* This member's share of the quantization of x [K] into m->xq, m->xd; no barrier. */
@@ -914,7 +918,7 @@ static void mlp_step(const si_model *m, const si_layer *L, float *x, int t, int 
     barrier();
     quantize_part(m, h, H, t, nt);
     barrier();
-    si_mat gum = {L->gu, L->gu_scale, 2 * k, H, H, NULL, 0};
+    si_mat gum = {L->gu, L->gu_scale, 2 * k, H, H, NULL, 0, NULL};
     gemv_part(&gum, m, h, gu, t, nt);
     barrier();
     /* activations and their quantization, block by block: a member's blocks are its own */
@@ -924,7 +928,7 @@ static void mlp_step(const si_model *m, const si_layer *L, float *x, int t, int 
         a[n] = act(gu[2 * n], m->act) * gu[2 * n + 1] * L->down_scale[n];
     quantize_blocks(a, k, b0, b1, m->xq, m->xd, m->xs);
     barrier();
-    si_mat dm = {L->down, NULL, H, k, L->down_ld, NULL, 0};
+    si_mat dm = {L->down, NULL, H, k, L->down_ld, NULL, 0, NULL};
     gemv_part(&dm, m, a, h, t, nt);
     barrier();
     if (t == 0) {
