@@ -238,7 +238,7 @@ def test_config_files_use_known_parameters_and_valid_ratios(name):
     from_values(ManagerSettings, {**shared, **manager})
     if name == 'jetson_orin_nano.yaml':
         assert (node['device'], node['dtype']) == ('cuda', 'float16')
-        assert (node['load_ratio'], node['compute_ratio'], node['static_ratio']) == (0.7, 0.0, 0.3)
+        assert (node['load_ratio'], node['compute_ratio'], node['static_ratio']) == (1.0, 0.0, 0.3)
         # the robot default is a model by name whose profiles ship with the package
         from selectinfer_ros.core.format.models import CATALOG
         from selectinfer_ros.core.format.paths import default_profiles_dir
