@@ -78,6 +78,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         profiled, heldout = (chat_records(tok, profiled, args.chat),
                              chat_records(tok, heldout, args.chat))
     target = profile_path(out, task)
+    if args.calibrate_only:  # per-token thresholds into an existing profile; nothing else changes
+        return _calibrate(args, path, manifest, out, task, profiled)
     if args.curve_only:
         prof = load_profile(target, manifest)
     elif args.general:
@@ -117,6 +119,31 @@ def cmd_profile(args: argparse.Namespace) -> int:
         _log(f"[profile] {task}: {curve.weights} quality curve on {curve.items} held-out records "
              f"({curve.tokens} tokens, selection {curve.selection}) -> {target}")
         print(format_curve(task, curve))
+    return 0
+
+
+def _calibrate(args, path: str, manifest, out: Path, task: str, records: list[dict]) -> int:
+    """``profile --calibrate-only``: the per-token thresholds of ``records`` (the general profile:
+    its tasks' fused) stored into the existing profile."""
+    from .core.selection.loader import load_dense
+    from .core.format.tokenizer import load_tokenizer
+    from .core.profiling.profiler import calibrate_task
+    from .core.selection.profiles import ProfileCatalog, general_token_tables, load_profile, profile_path
+    target = profile_path(out, task)
+    prof = load_profile(target, manifest)
+    if args.general:
+        tables = general_token_tables(list(ProfileCatalog(out, manifest).profiles.values()))
+        if not tables:
+            raise ValueError(f"{out}: calibrate every task before the general profile")
+    else:
+        model, _ = load_dense(path, args.dtype, args.device)
+        tables = calibrate_task(model, load_tokenizer(path), records, args.batch_size,
+                                args.max_tokens, desc=f"calibrate {task}")
+        del model
+    prof.extra.update(tables)
+    prof.save(target)
+    _log(f"[profile] {task}: per-token thresholds from {len(records) or 'its tasks'} "
+         f"{'records' if records else ''} -> {target}")
     return 0
 
 
@@ -392,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sensitivity", action="store_true",
                    help="skip the per-layer sensitivity (needed by the sensitivity selections)")
     p.add_argument("--no-curve", action="store_true", help="skip the quality curve")
+    p.add_argument("--calibrate-only", action="store_true",
+                   help="only fit the per-token thresholds (compute_mode token) on --data into the "
+                        "existing profile (with --general: fuse its tasks'); keeps the rest")
     p.add_argument("--curve-only", action="store_true",
                    help="re-measure the quality curve of the existing profile (e.g. after adding tasks)")
     add_option(p, ModelOptions, "selection", help="selection the curve is measured with")

@@ -50,6 +50,25 @@ def tiny_profiles(tiny_models, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def token_profiles(tiny_models, tmp_path_factory) -> Path:
+    """tiny-llama: task 'alpha' profiled on random token text by the profiler, so it carries the
+    per-token thresholds (compute_mode token)."""
+    from selectinfer_ros.core.format.pack import read_manifest
+    from selectinfer_ros.core.format.tokenizer import load_tokenizer
+    from selectinfer_ros.core.profiling.profiler import profile_task
+    from selectinfer_ros.core.selection.loader import load_dense
+    _, packed = tiny_models["tiny-llama"]
+    g = torch.Generator().manual_seed(3)
+    records = [{"text": " ".join(f"w{int(t)}" for t in torch.randint(4, 500, (40,), generator=g))}
+               for _ in range(8)]
+    prof = profile_task(load_dense(packed)[0], load_tokenizer(packed), read_manifest(packed),
+                        "alpha", [], batch_size=4, sensitivity=False, records=records)
+    d = tmp_path_factory.mktemp("token-profiles")
+    prof.save(d / "alpha.safetensors")
+    return d
+
+
+@pytest.fixture(scope="session")
 def embedded() -> Path:
     """The packed embedded Gemma 3 270M (converted by the setup script)."""
     from selectinfer_ros.core.format.default_model import ensure_packed

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from .format.weights import WEIGHTS
 
 DEFAULT_STATIC_RATIO = 0.3
+COMPUTE_MODES = ("prompt", "token")
 SELECTIONS = ("auto", "published", "sensitivity", "shared-sensitivity", "random")
 WEIGHT_FORMATS = ("",) + WEIGHTS  # records of the embedded model; "" = auto
 DTYPES = ("", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16", "auto")
@@ -89,6 +90,12 @@ class ModelOptions:
     compute_ratio: float = param(0.0, "phi: share of MLP neurons computed per token (goals may "
                                  "ask for another); 0 = load_ratio", lo=0.0, hi=1.0, lo_open=True,
                                  special=0.0, runtime=True)
+    compute_mode: str = param("prompt", "which loaded neurons a decode token computes: prompt "
+                              "(one set chosen at the prompt's prefill: static base + dynamic, as "
+                              "published) or token (each token and layer: the neurons whose gate "
+                              "and activation clear the profile's calibrated thresholds for a share "
+                              "compute_ratio; every loaded gate row is read)",
+                              choices=COMPUTE_MODES)
     alpha: float = param(0.2, "per-token top share of loaded neurons voting for dynamic ones",
                          lo=0.0, hi=1.0, lo_open=True)
     device: str = param("cpu", "torch device: cpu, cuda, cuda:N", check=_device)

@@ -75,15 +75,23 @@ def _unique_bytes(model: nn.Module) -> int:
     return total
 
 
-def bytes_per_decode_token(model: nn.Module, selective: SelectiveModel | None) -> int:
+def bytes_per_decode_token(model: nn.Module, selective: SelectiveModel | None,
+                           counts: tuple[int, int, int] | None = None) -> int:
     """Weight bytes a decode step reads: everything but the embedding table (unless tied to the
-    output layer) and, for SelectInfer, the loaded neurons outside the active prefix."""
+    output layer) and, for SelectInfer, the loaded neurons outside the active prefix (per-token
+    mode: the neuron rows read over ``counts``, a subject's :meth:`SelectiveModel.counts`
+    summed over its runs; a third per row)."""
     total = _unique_bytes(model)
     emb = model.get_input_embeddings().weight
     head = getattr(model, "lm_head", None)
     if head is None or head.weight.data_ptr() != emb.data_ptr():
         total -= emb.numel() * emb.element_size()
-    if selective is not None:
+    if selective is not None and selective.state.per_token:
+        man = selective.manifest
+        read = selective.read_shares(until=counts)["read_share"] * man.num_layers * man.intermediate_size
+        ffn = sum(m.weight_bytes() for m in selective.mlps)
+        total -= ffn - int(read * selective.mlps[0].neuron_bytes())
+    elif selective is not None:
         for m in selective.mlps:
             total -= (m.n_loaded - m.n_active) * m.neuron_bytes()
     return total
@@ -160,26 +168,30 @@ def build_subjects(args, model_path: Path, profiles: Path | None, log) -> list[S
                      load_seconds=dense.load_seconds, bytes_read=dense.bytes_read,
                      weight_bytes=dense.weight_bytes, peak_rss_bytes=dense.peak_rss_bytes)
         subjects.append(hf)
-    by_gamma: dict[tuple[str, float], SelectiveModel] = {}
-    for weights in args.weights:
+    by_gamma: dict[tuple[str, float, str], SelectiveModel] = {}
+    modes = getattr(args, "compute_modes", None) or ["prompt"]
+    for weights, mode in ((w, m) for w in args.weights for m in modes):
         path = model_path if weights == "float" else pack_of(model_path, weights, log)
         for gamma, phi in grid:
+            if mode == "token" and phi >= gamma:
+                continue  # every loaded neuron: the prompt mode's subject
             tag = "" if weights == "float" else f" {weights}"
-            s = Subject(f"selectinfer{tag} {gamma:g}/{phi:g}", "selectinfer", gamma, phi,
+            suffix = "" if mode == "prompt" else " token"
+            s = Subject(f"selectinfer{tag} {gamma:g}/{phi:g}{suffix}", "selectinfer", gamma, phi,
                         weights=weights)
-            key = (weights, gamma)
+            key = (weights, gamma, mode)
             if key not in by_gamma:
-                def make_sel(s: Subject, gamma=gamma, path=path, key=key) -> None:
+                def make_sel(s: Subject, gamma=gamma, path=path, key=key, mode=mode) -> None:
                     sm = SelectiveModel(path, profiles, args.task or None, load_ratio=gamma,
                                         static_ratio=min(0.3, min(p for g, p in grid if g == gamma)),
                                         compute_ratio=gamma, device=args.device, dtype=args.dtype,
-                                        log=log)
+                                        compute_mode=mode, log=log)
                     sm.tokenizer = tok
                     by_gamma[key] = sm
                 _load(s, make_sel)
             else:
                 first = next(x for x in subjects if x.method == "selectinfer"
-                             and x.load_ratio == gamma and x.weights == weights)
+                             and x.engine.selective is by_gamma[key])
                 s.load_seconds, s.peak_rss_bytes = first.load_seconds, first.peak_rss_bytes
             sm = by_gamma[key]
             s.model, s.engine = sm.model, Engine.from_selective(sm)
@@ -220,7 +232,11 @@ def run_once(s: Subject, prompt: list[int], new_tokens: int) -> None:
         return
     cfg = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True,
                            compute_ratio=s.compute_ratio if s.method == "selectinfer" else None)
+    sm = s.engine.selective if s.method == "selectinfer" else None
+    before = sm.counts() if sm is not None else None
     res = s.engine.generate(prompt, cfg)
+    if sm is not None and sm.state.per_token and hasattr(s, "token_counts"):
+        s.token_counts = tuple(t + a - b for t, a, b in zip(s.token_counts, sm.counts(), before))
     m = res.metrics
     s.selection.append(m.selection_seconds)
     s.decode.append(m.tokens_per_second)
@@ -277,6 +293,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             s.bytes_per_token = bytes_per_decode_token(s.model, sm)
         else:
             s.bytes_per_token = bytes_per_decode_token(s.model, None)
+    for s in subjects:
+        s.token_counts = (0, 0, 0)  # per-token mode: what this subject's timed runs computed
     for r in range(args.repeats):
         for s in subjects:
             if s.method == "selectinfer":
@@ -285,6 +303,11 @@ def run(args: argparse.Namespace) -> list[dict]:
         for p in peers:  # in the same repeat: drift hits llama.cpp and us alike
             p.run_once(llama_dir, threads, args.prompt_tokens, args.new_tokens)
         log(f"[bench] repeat {r + 1}/{args.repeats} done")
+    for s in subjects:  # per-token mode: what its decode steps computed and read, measured
+        sm = s.engine.selective if s.method == "selectinfer" else None
+        if sm is not None and sm.state.per_token:
+            s.bytes_per_token = bytes_per_decode_token(s.model, sm, s.token_counts)
+            s.token_shares = sm.read_shares(until=s.token_counts)
     bw = memory_bandwidth(threads)
     dense = subjects[0]
     rows = [row_of(s, dense, manifest.model_id, bw, args, threads) for s in subjects]
@@ -326,6 +349,8 @@ def row_of(s: Subject, dense: Subject, model_id: str, bw: float, args, threads: 
         "share_ffn": s.shares.get("ffn", 0.0), "share_attention": s.shares.get("attention", 0.0),
         "share_output": s.shares.get("output", 0.0), "repeats": len(s.decode),
     }
+    if getattr(s, "token_shares", None):
+        row.update(compute_mode="token", **s.token_shares)
     if s.selection and any(s.selection):
         row["selection_seconds"] = med(s.selection[-len(s.decode):])
         row["selection_share_of_prefill"] = row["selection_seconds"] / row["time_to_first_token"]

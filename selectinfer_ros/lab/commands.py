@@ -11,7 +11,7 @@ import argparse
 
 from ..core.format.paths import DATA_DIR
 from ..core.format.weights import BENCH_WEIGHTS, WEIGHTS
-from ..core.options import ModelOptions, add_option
+from ..core.options import COMPUTE_MODES, ModelOptions, add_option
 
 GRID_HELP = ("gamma,phi pairs (load_ratio,compute_ratio), space-separated, e.g. "
              "--grid 1,1 0.7,0.5")
@@ -59,6 +59,9 @@ def register(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens decoded (default 32)")
     p.add_argument("--grid", nargs="+", metavar="G,P",
                    help=f"{GRID_HELP} (default 1,1 0.9,0.7 0.7,0.7 0.7,0.5 0.5,0.35)")
+    p.add_argument("--compute-modes", nargs="+", choices=COMPUTE_MODES, metavar="MODE",
+                   help="prompt and/or token: the grid's points (phi < gamma) with per-token "
+                        "selection too; default: prompt")
     p.add_argument("--weights", nargs="+", choices=WEIGHTS, default=None,
                    help="SelectInfer rows over these `pack --weights` records (default: "
                         f"{' '.join(BENCH_WEIGHTS)}; --quick: float)")
@@ -81,6 +84,9 @@ def register(sub) -> None:
                    help=f"{GRID_HELP} (default 0.9,0.7 0.7,0.7 0.7,0.5 0.5,0.35)")
     p.add_argument("--strategies", help="comma list of selection strategies besides published")
     p.add_argument("--only", help="comma list of methods to run besides dense")
+    p.add_argument("--compute-modes", nargs="+", choices=COMPUTE_MODES, metavar="MODE",
+                   help="prompt (the published rows) and/or token (each grid point with per-token "
+                        "selection, method selectinfer-token); default: prompt")
     p.add_argument("--prose-task", default="summarization",
                    help="profile used for held-out prose (default 'summarization')")
     add_option(p, ModelOptions, "alpha")
@@ -135,6 +141,13 @@ def register(sub) -> None:
     p.add_argument("--gammas", nargs="+", type=float, metavar="G",
                    help="load ratios of ours, each with phi = gamma and 0.7 gamma "
                         "(default 1 0.9 0.8 0.7 0.6 0.5)")
+    p.add_argument("--compute-modes", nargs="+", choices=COMPUTE_MODES, metavar="MODE",
+                   help="prompt (phi = gamma and 0.7 gamma) and/or token (per-token selection at "
+                        "--token-shares; default: prompt)")
+    p.add_argument("--token-shares", nargs="+", type=float, metavar="S",
+                   help="phi / gamma of the token rows (default 0.7 0.5)")
+    p.add_argument("--merge", metavar="FRONTIER_JSON", help="keep this earlier run's rows (same "
+                   "model and held-out tokens), this run's replacing those of the same name")
     p.add_argument("--no-quant", action="store_true", help="skip torch int8/int4 weight-only")
     p.add_argument("--tokens", type=int, default=2040,
                    help="held-out tokens to score (default 2040: 8 chunks of 512; fewer when "

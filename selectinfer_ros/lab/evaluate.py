@@ -41,15 +41,23 @@ class EvalConfig:
     static_ratio: float = 0.3
     selection: str = "published"
     dynamic: str = "frequency"  # or "norm" (GRIFFIN)
+    compute_mode: str = "prompt"  # or "token" (per-token selection)
 
     @property
     def model_key(self) -> tuple:
-        return (self.load_ratio, self.static_ratio, self.selection)
+        return (self.load_ratio, self.static_ratio, self.selection, self.compute_mode)
 
 
-def build_configs(grid: list[tuple[float, float]], strategies: list[str]) -> list[EvalConfig]:
-    """Dense, the (gamma, phi) grid with loading-only beside it, and the ablations."""
+def build_configs(grid: list[tuple[float, float]], strategies: list[str],
+                  compute_modes: tuple[str, ...] = ("prompt",)) -> list[EvalConfig]:
+    """Dense, the (gamma, phi) grid with loading-only beside it, and the ablations; with
+    ``token`` in ``compute_modes`` each grid point's per-token row too."""
     out = [EvalConfig("dense", "dense")]
+    if "token" in compute_modes:
+        out += [EvalConfig(f"selectinfer {g:g}/{p:g} token", "selectinfer-token", g, p, min(0.3, p),
+                           "published", compute_mode="token") for g, p in grid if p < g]
+    if "prompt" not in compute_modes:
+        return out
     seen = set()
     for gamma, phi in grid:
         delta = min(0.3, phi)
@@ -206,7 +214,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     tok = load_tokenizer(model_path)
     grid = QUICK_GRID if args.quick else [tuple(map(float, g.split(","))) for g in args.grid] if args.grid else GRID
     strategies = args.strategies.split(",") if args.strategies else ["published"]
-    configs = build_configs(grid, strategies)
+    configs = build_configs(grid, strategies, tuple(getattr(args, "compute_modes", None) or ["prompt"]))
     if args.only:
         keep = set(args.only.split(","))
         configs = [c for c in configs if c.method == "dense" or c.method in keep]
@@ -274,7 +282,7 @@ def run_configs(args, model_path, manifest, tok, profiles, data_dir, configs, li
                 models[cfg.model_key] = SelectiveModel(
                     model_path, profiles, task_of["qa"], load_ratio=cfg.load_ratio,
                     static_ratio=cfg.static_ratio, compute_ratio=cfg.load_ratio, alpha=args.alpha,
-                    dtype=args.dtype, selection=cfg.selection)
+                    dtype=args.dtype, selection=cfg.selection, compute_mode=cfg.compute_mode)
                 models[cfg.model_key].tokenizer = tok
             sm = models[cfg.model_key]
             sm.set_compute_ratio(cfg.compute_ratio)
@@ -290,12 +298,13 @@ def run_configs(args, model_path, manifest, tok, profiles, data_dir, configs, li
         row = {"model": manifest.model_id, "name": cfg.name, "method": cfg.method,
                "load_ratio": cfg.load_ratio, "compute_ratio": cfg.compute_ratio,
                "static_ratio": cfg.static_ratio, "selection": cfg.selection, "dynamic": cfg.dynamic,
+               "compute_mode": cfg.compute_mode,
                "weight_bytes": weight, "items_per_task": limit, "data": str(data_dir),
                "profiles": str(profiles), **metrics}
         if cfg.method != "dense":
             row["selection_resolved"] = cfg_selection
             for t in AGREEMENT_TASKS:  # what the curve stored in the profile predicted
-                if sm.catalog is not None and t in sm.catalog.tasks:
+                if sm.catalog is not None and t in sm.catalog.tasks and cfg.compute_mode == "prompt":
                     exp = sm.catalog.expected_agreement(t, cfg.load_ratio, cfg.compute_ratio,
                                                         selection=cfg_selection)
                     if exp is not None:

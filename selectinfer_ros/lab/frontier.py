@@ -38,6 +38,7 @@ from . import llama_cpp
 
 GAMMAS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 PHI_SHARES = (1.0, 0.7)  # phi / gamma
+TOKEN_SHARES = (0.7, 0.5)  # phi / gamma of the per-token rows (compute_mode token)
 LLAMA_TYPES = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M",
                "Q8_0+Q4_0-embd", "Q4_0+Q4_0-embd")  # also int8-q4emb's idea in llama.cpp's recipe
 TOOLS = ("llama-bench", "llama-quantize", "llama-perplexity")
@@ -440,23 +441,31 @@ def run(args: argparse.Namespace, log: Log = _log) -> list[dict]:
                 add(row)
         del dense
         gammas = tuple(args.gammas or GAMMAS) if task else (1.0,)
-        for weights in formats:
+        modes = [m for m in (args.compute_modes or ["prompt"]) if m == "prompt" or task]
+        for weights, mode, gamma in ((w, m, g) for w in formats for m in modes for g in gammas):
             path = pack_of(model_path, weights, log)
-            for gamma in gammas:
-                phis = sorted({round(gamma * s, 4) for s in PHI_SHARES}, reverse=True)
-                sm = SelectiveModel(path, profiles if task else None, task, load_ratio=gamma,
-                                    static_ratio=min(0.3, min(phis)), compute_ratio=gamma)
-                sm.tokenizer = tok
-                eng = Engine.from_selective(sm)
-                for phi in phis:
-                    sm.set_compute_ratio(phi)
-                    q = score_engine(eng, base, refs)
-                    tps = speed(eng, phi, prompt, args.threads, args.repeats, args.new_tokens)
-                    add({"name": f"selectinfer {weights} {gamma:g}/{phi:g}", "source": "selectinfer",
-                         "weights": weights, "load_ratio": gamma, "compute_ratio": phi,
-                         "weight_bytes": sm.weight_bytes()["total"], **q,
-                         "decode_tokens_per_second": tps})
-                del sm, eng
+            shares = PHI_SHARES if mode == "prompt" else tuple(args.token_shares or TOKEN_SHARES)
+            phis = sorted({round(gamma * s, 4) for s in shares}, reverse=True)
+            sm = SelectiveModel(path, profiles if task else None, task, load_ratio=gamma,
+                                static_ratio=min(0.3, min(phis)), compute_ratio=gamma,
+                                compute_mode=mode)
+            sm.tokenizer = tok
+            eng = Engine.from_selective(sm)
+            suffix = "" if mode == "prompt" else " token"
+            for phi in phis:
+                if mode == "token" and phi >= gamma:
+                    continue  # every loaded neuron: the prompt mode's row
+                sm.set_compute_ratio(phi)
+                before = sm.counts()
+                q = score_engine(eng, base, refs)
+                read = sm.read_shares(before)  # measured over the scoring passes
+                tps = speed(eng, phi, prompt, args.threads, args.repeats, args.new_tokens)
+                add({"name": f"selectinfer {weights} {gamma:g}/{phi:g}{suffix}",
+                     "source": "selectinfer", "weights": weights, "load_ratio": gamma,
+                     "compute_ratio": phi, "compute_mode": mode, **read,
+                     "weight_bytes": sm.weight_bytes()["total"], **q,
+                     "decode_tokens_per_second": tps})
+            del sm, eng
         if not args.no_quant:
             from .quantize import quantize_model
             for bits in (8, 4):
@@ -545,9 +554,28 @@ def print_table(rows: list[dict]) -> None:
               + (f"{b['llama_cpp']} ({b['llama_cpp_agreement']:.4f})" if b["llama_cpp"] else "-"))
 
 
+def merge(rows: list[dict], earlier: str | Path) -> list[dict]:
+    """``earlier``'s rows (a frontier.json of the same model and held-out tokens) with this run's
+    added, a row of the same name replaced; the Pareto front recomputed."""
+    old = json.loads(Path(earlier).read_text())
+    for key in ("model", "heldout", "tokens"):
+        if old and rows and old[0].get(key) != rows[0].get(key):
+            raise ValueError(f"--merge {earlier}: its {key} is {old[0].get(key)!r}, this run's "
+                             f"{rows[0].get(key)!r}")
+    names = {r["name"] for r in rows}
+    out = [r for r in old if r["name"] not in names] + rows
+    for r in out:
+        r["pareto"] = False
+    for i in pareto(out):
+        out[i]["pareto"] = True
+    return out
+
+
 def cmd_frontier(args: argparse.Namespace) -> int:
-    from .plots import frontier_plot
+    from .plots import compute_mode_plot, frontier_plot
     rows = run(args)
+    if args.merge:
+        rows = merge(rows, args.merge)
     print_table(rows)
     out = Path(args.out) if args.out else None
     if out is not None:
@@ -556,6 +584,10 @@ def cmd_frontier(args: argparse.Namespace) -> int:
         frontier_plot(rows, pareto(rows), out / "frontier.png",
                       title=f"{rows[0]['model']}: agreement with dense vs resident weights "
                             f"({rows[0]['tokens']} held-out tokens)")
+        for w in sorted({r["weights"] for r in rows if r.get("compute_mode") == "token"}):
+            compute_mode_plot(rows, out / f"compute-modes-{w}.png", w,
+                              title=f"{rows[0]['model']} {w}: per-prompt vs per-token selection "
+                                    f"({rows[0]['tokens']} held-out tokens)")
         (out / "frontier.partial.json").unlink(missing_ok=True)
         print(f"wrote {out / 'frontier.json'} and {out / 'frontier.png'}; copied into the "
               f"model's profiles folder as frontier.json, it gives memory_budget_mb / "

@@ -112,3 +112,37 @@ def frontier_plot(rows: list[dict], front: list[int], path: str | Path, title: s
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+def compute_mode_plot(rows: list[dict], path: str | Path, weights: str = "int8", title: str = "") -> Path:
+    """Frontier rows of one records format: agreement with dense against the MLP rows read per
+    decode token (a share of all neurons: phi for the prompt mode, (gamma + candidates +
+    computed) / 3 for the per-token mode), one line per gamma and mode."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    ours = [r for r in rows if r.get("source") == "selectinfer" and r.get("weights") == weights]
+    for gamma in sorted({r["load_ratio"] for r in ours}, reverse=True):
+        full = [r for r in ours if r["load_ratio"] == gamma and r["compute_ratio"] >= gamma]
+        for mode, style in (("prompt", "o--"), ("token", "s-")):
+            pts = [r for r in ours if r["load_ratio"] == gamma
+                   and r.get("compute_mode", "prompt") == mode and r["compute_ratio"] < gamma]
+            if not pts:
+                continue
+            pts = sorted(full + pts, key=lambda r: r.get("read_share", r["compute_ratio"]))
+            x = [r.get("read_share", r["compute_ratio"]) for r in pts]
+            ax.plot(x, [r["agreement"] for r in pts], style, label=f"gamma {gamma:g}, {mode} mode")
+            for r, xi in zip(pts, x):
+                ax.annotate(f"{r['compute_ratio']:g}", (xi, r["agreement"]), textcoords="offset points",
+                            xytext=(4, -10), fontsize=7)
+    ax.set_xlabel("MLP neuron rows read per decode token (share of all; labels: phi)")
+    ax.set_ylabel("top-token agreement with the dense model")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -53,6 +53,21 @@ def test_bench_quick_writes_json_and_plot(tiny_models, tiny_profiles, tmp_path):
     assert q4["bytes_per_decode_token"] < q["bytes_per_decode_token"]
 
 
+def test_bench_token_rows_measure_what_they_read(tiny_models, token_profiles, tmp_path):
+    """Per-token rows (compute_mode token): the shares computed and read are measured over the
+    timed runs, and the bytes per decode token follow them."""
+    _, packed = tiny_models["tiny-llama"]
+    _cli("bench", "--quick", "--model", str(packed), "--profiles", str(token_profiles), "--task",
+         "alpha", "--threads", "1", "--weights", "int8", "--no-quant", "--compute-modes", "prompt",
+         "token", "--out", str(tmp_path))
+    rows = {r["name"]: r for r in json.loads((tmp_path / "bench.json").read_text())}
+    tok, prompt = rows["selectinfer int8 0.7/0.5 token"], rows["selectinfer int8 0.7/0.5"]
+    assert tok["compute_mode"] == "token" and "compute_mode" not in prompt
+    assert 0.2 < tok["computed_share"] < 0.6 and tok["computed_share"] <= tok["candidate_share"]
+    full = rows["selectinfer int8 0.7/0.7"]["bytes_per_decode_token"]
+    assert tok["bytes_per_decode_token"] < full and tok["decode_tokens_per_second"] > 0
+
+
 @pytest.mark.timeout(1500)  # a whole quick eval of the real model: minutes on 2 busy cores
 def test_eval_quick_on_embedded_model(embedded, embedded_profiles, tmp_path):
     _cli("eval", "--quick", "--only", "loading_only,random", "--threads", "2", "--out", str(tmp_path),
@@ -105,10 +120,13 @@ def test_answer_containment():
 def test_eval_answers_only_with_one_profile_for_every_task(embedded, embedded_profiles, tmp_path):
     """`--answers qa --task general`: only QA answers (no agreement, no perplexity), every task
     on the general profile (what runs when no task is given), as fractions of dense."""
-    _cli("eval", "--quick", "--answers", "qa", "--task", "general", "--only", "loading_only",
+    _cli("eval", "--quick", "--answers", "qa", "--task", "general", "--only",
+         "loading_only,selectinfer-token", "--compute-modes", "prompt", "token",
          "--threads", "1", "--out", str(tmp_path), timeout=1500)
     rows = json.loads((tmp_path / "eval.json").read_text())
-    assert [r["method"] for r in rows] == ["dense", "loading_only"]
+    # the shipped profiles carry the per-token thresholds: the grid point's per-token row too
+    assert [r["method"] for r in rows] == ["dense", "selectinfer-token", "loading_only"]
+    assert [r["compute_mode"] for r in rows] == ["prompt", "token", "prompt"]
     for r in rows:
         assert 0 <= r["qa_em"] <= 1 and "qa_agreement" not in r and "prose_ppl" not in r
     if rows[0]["qa_em"] > 0:  # 3 items: the dense model may miss them all

@@ -180,3 +180,38 @@ def test_frontier_command_on_a_tiny_model(tiny_models, tiny_profiles, tmp_path):
     assert min(rows, key=lambda r: (r["weight_bytes"], -r["agreement"]))["pareto"]
     assert "cross-check" not in res.stdout  # no llama.cpp rows
     assert "best within a weight budget:" in res.stdout
+
+
+def test_token_rows_beside_the_prompt_rows_and_merged(tiny_models, token_profiles, tmp_path):
+    """Per-token rows (compute_mode token) carry their measured shares; --merge keeps an earlier
+    run's rows, this run's replacing those of the same name, and recomputes the front."""
+    _, packed = tiny_models["tiny-llama"]
+    g = torch.Generator().manual_seed(4)
+    words = [" ".join(f"w{int(t)}" for t in torch.randint(4, 500, (40,), generator=g)) for _ in range(4)]
+    text = tmp_path / "heldout.txt"
+    text.write_text("\n".join(words))
+    common = [sys.executable, "-m", "selectinfer_ros.cli", "frontier", "--model", str(packed),
+              "--profiles", str(token_profiles), "--data", str(text), "--ctx", "32",
+              "--tokens", "60", "--repeats", "1", "--new-tokens", "3", "--weights", "int8",
+              "--gammas", "1", "--no-quant"]
+    first = subprocess.run(common + ["--out", str(tmp_path / "a")], capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    res = subprocess.run(common + ["--compute-modes", "token", "--token-shares", "0.5",
+                                   "--merge", str(tmp_path / "a" / "frontier.json"),
+                                   "--out", str(tmp_path / "b")], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads((tmp_path / "b" / "frontier.json").read_text())}
+    assert set(rows) == {"selectinfer int8 1/1", "selectinfer int8 1/0.7", "selectinfer int8 1/0.5 token"}
+    tok = rows["selectinfer int8 1/0.5 token"]
+    assert tok["compute_mode"] == "token" and rows["selectinfer int8 1/1"]["compute_mode"] == "prompt"
+    assert 0.3 < tok["computed_share"] < 0.6, tok
+    assert tok["computed_share"] <= tok["candidate_share"] <= 1.0
+    assert tok["read_share"] == pytest.approx((1.0 + tok["candidate_share"] + tok["computed_share"]) / 3)
+    assert tok["agreement"] < 1.0 and rows["selectinfer int8 1/1"]["agreement"] > tok["agreement"]
+    assert sum(r["pareto"] for r in rows.values()) >= 1
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps([{**tok, "heldout": "something else"}]))
+    bad = subprocess.run(common + ["--merge", str(other)], capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "its heldout is 'something else'" in bad.stderr

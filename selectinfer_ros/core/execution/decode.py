@@ -308,6 +308,8 @@ def native_unsupported(d: Decoder) -> str | None:
             return "attention projection biases of an unexpected shape"
         if not isinstance(l.mlp, SelectiveMLP) or (l.mlp.gu_scale is None and l.mlp.rec is None):
             return "float neuron slots"
+        if l.mlp.state.per_token and l.mlp.rec is None and not l.mlp.down_rows:
+            return "per-token selection over int8 slots whose down projection is not neuron-major"
     if {l.input_norm.eps for l in d.layers} != {d.final_norm.eps}:
         return "norms with different eps"
     if int8.kernel() is None:
@@ -317,7 +319,13 @@ def native_unsupported(d: Decoder) -> str | None:
 
 class NativeInt8Step:
     """The decoder layers of one decode step in the C kernel (``si_decode_layers``): the
-    pointers of weights, slots, cache and rotary tables are gathered once per request."""
+    pointers of weights, slots, cache and rotary tables are gathered once per request.
+
+    The MLP fields (active prefix, or per-token selection and its thresholds) also follow the
+    selection state without a full refresh: every call compares a key of what they were filled
+    from (:meth:`_mlp_key`: the prefill flag, and in per-token mode the tensors the kept and
+    candidate counts go to and every layer's two thresholds; a few microseconds) and fills them again when it changed
+    (``set_compute_ratio`` moves the thresholds, also in the middle of a request)."""
 
     def __init__(self, d: Decoder):
         self.d = d
@@ -333,6 +341,8 @@ class NativeInt8Step:
         self.stale = True
         self._keep: list[torch.Tensor] = []  # scratch the structures point into
         self._timing = (ctypes.c_double * 2)()
+        self._key: tuple | None = None  # what the MLP fields were filled from (_mlp_key)
+        self._token = False  # the layers select per token (counts to state.kept, .candidates)
 
     def _refresh(self) -> None:
         d, cfg = self.d, self.d.model.config
@@ -347,7 +357,10 @@ class NativeInt8Step:
                     scores=torch.empty(teams * d.capacity, **f32),
                     gu=torch.empty(2 * max_loaded, **f32), a=torch.empty(max_k, **f32), xq=x_q,
                     xd=torch.empty(max_k // 32 + 2, **f32),
-                    xs=torch.empty(max_k // 32 + 2, dtype=torch.int32))
+                    xs=torch.empty(max_k // 32 + 2, dtype=torch.int32),
+                    idx=torch.empty(2 * max_k, dtype=torch.int32),  # per-token: kept slots
+                    cnt=torch.empty(teams + 1, dtype=torch.int64),
+                    cand=torch.empty(teams, dtype=torch.int64))  # per-token: candidates
         self._keep = list(bufs.values())
         m = self.model
         m.hidden, m.n_heads, m.n_kv, m.head_dim = H, d.n_heads, d.n_kv, hd
@@ -391,19 +404,71 @@ class NativeInt8Step:
             else:
                 c.gu, c.gu_scale = mlp.gu.data_ptr(), mlp.gu_scale.data_ptr()
                 c.down, c.down_scale = mlp.down.data_ptr(), mlp.down_scale.data_ptr()
-                if mlp.gu.stride() != (2 * H, H, 1) or mlp.down.stride(1) != 1:
+                # down [H, k] (the active prefix of each row), or neuron-major [k, H] (per token)
+                h_axis = 1 if mlp.down_rows else 0
+                if mlp.gu.stride() != (2 * H, H, 1) or mlp.down.stride(1) != 1 or \
+                        mlp.down.shape[h_axis] != H:
                     raise ValueError(f"layer {i}: neuron slots in an unexpected layout")
                 c.down_ld = mlp.down.stride(0)
                 c.rec, c.rec_ld = None, 0
-            c.n_active = mlp.n_loaded if mlp.state.prefill else mlp.n_active
+        self._fill_mlp(self._mlp_key())
         self.stale = False
+
+    def _mlp_key(self) -> tuple:
+        """What the MLP fields depend on beyond the slots' storage: the prefill flag and, when a
+        decode token selects its own neurons, the kept and candidate counts' tensors and the
+        thresholds."""
+        st = self.d.layers[0].mlp.state
+        if not st.per_token or st.prefill:
+            return (st.prefill,)
+        return (False, st.kept.data_ptr(), st.kept.numel(), st.candidates.data_ptr(),
+                st.candidates.numel(), [(l.mlp.gate_thr, l.mlp.act_thr) for l in self.d.layers])
+
+    def _fill_mlp(self, key: tuple) -> None:
+        """The per-layer MLP fields: the active prefix (prompt mode; every loaded slot at a
+        prefill), or per-token selection over every loaded slot with the layer's thresholds, its
+        kept count added to ``state.kept[layer]`` and its candidates (up row read) to
+        ``state.candidates[layer]``. int8 slots whose down projection is neuron-major run the
+        per-token path also where nothing is selected (thresholds 0, not counted: a one-token
+        prompt's prefill in per-token mode)."""
+        st = self.d.layers[0].mlp.state
+        self._token = token = st.per_token and not st.prefill
+        kept, cand = st.kept, st.candidates
+        for name, t in (("kept", kept), ("candidates", cand)):
+            if token and (t.dtype != torch.int64 or t.device.type != "cpu" or
+                          not t.is_contiguous()):
+                raise ValueError(f"per-token selection: state.{name} must be a contiguous int64 "
+                                 "CPU tensor")
+        for l, c in zip(self.d.layers, self.layers):
+            mlp = l.mlp
+            c.token = int(token or (mlp.rec is None and mlp.down_rows))
+            if token:
+                c.n_active = mlp.n_loaded
+                c.gate_thr, c.act_thr = float(mlp.gate_thr), float(mlp.act_thr)
+                c.kept = kept.data_ptr() + 8 * mlp.layer if mlp.layer < kept.numel() else None
+                c.candidates = (cand.data_ptr() + 8 * mlp.layer if mlp.layer < cand.numel()
+                                else None)
+            else:
+                c.n_active = mlp.n_loaded if st.prefill else mlp.n_active
+                c.gate_thr = c.act_thr = 0.0
+                c.kept = c.candidates = None
+        self._key = key
+
+    def _prepare(self) -> None:
+        """The structures up to date for a call: refreshed when stale (or more threads than
+        the scratch has room for), the MLP fields filled again when their key changed."""
+        if self.stale or torch.get_num_threads() > self.model.teams:
+            self._refresh()
+        else:
+            key = self._mlp_key()
+            if key != self._key:
+                self._fill_mlp(key)
 
     def step(self, x: torch.Tensor, pos: int, timings: dict[str, float] | None = None
              ) -> torch.Tensor:
         """``x`` ``[1, 1, H]`` float32 (the token's embedding) through every layer, in place;
         ``timings`` (if given) gets the seconds of attention and FFN added."""
-        if self.stale or torch.get_num_threads() > self.model.teams:
-            self._refresh()
+        self._prepare()
         x = x.contiguous()
         t = self._timing
         t[0] = t[1] = 0.0
@@ -412,6 +477,10 @@ class NativeInt8Step:
         if rc != 0:
             raise RuntimeError(f"int8 decode kernel failed at position {pos} (capacity "
                                f"{self.d.capacity})")
+        if self._token:  # as SelectiveMLP counts its decode tokens (with its first layer)
+            st = self.d.layers[0].mlp.state
+            if st.kept.numel() > 0:
+                st.decoded += 1
         if timings is not None:
             timings["attention"] += t[0]
             timings["ffn"] += t[1]

@@ -378,6 +378,7 @@ class Engine:
         text = ""
         finish = "length"
         stops = [s for s in config.stop if s]
+        counted = None  # token mode: the neuron counts after the prefill
         try:
             if cancel is not None and cancel():
                 raise Canceled
@@ -387,6 +388,9 @@ class Engine:
             t_first = time.perf_counter()
             metrics.prefill_seconds = metrics.time_to_first_token = t_first - t0
             self._end_prefill(metrics)
+            sm = self.selective
+            if sm is not None and sm.state.per_token:
+                counted = sm.counts()
             while True:
                 if tok in self.eos_ids and not config.ignore_eos:
                     finish = "stop"
@@ -421,6 +425,8 @@ class Engine:
             if self.state is not None:
                 self.state.prefill = True
         metrics.generated_tokens = len(new_ids)
+        if counted is not None and self.selective.counts()[0] > counted[0]:
+            metrics.computed_share = self.selective.read_shares(counted)["computed_share"]
         if new_ids:
             metrics.decode_seconds = time.perf_counter() - t0 - metrics.time_to_first_token
         if finish == "canceled":

@@ -56,6 +56,7 @@ class RequestMetrics:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # time of the decode steps (tokens after the first)
     selection_seconds: float = 0.0  # of the prefill: choosing and swapping in dynamic neurons
+    computed_share: float = -1.0  # compute_mode token: MLP neurons computed per decode token; -1: n/a
 
     @property
     def tokens_per_second(self) -> float:
@@ -78,9 +79,12 @@ class RunningStats:
     rejected: int = 0
     last_tokens_per_second: float = 0.0
     last_time_to_first_token: float = 0.0
+    last_computed_share: float = -1.0  # per decode token, compute_mode token; -1: n/a
     _tps: list[float] = field(default_factory=list)
 
     def record(self, m: RequestMetrics) -> None:
+        if m.computed_share >= 0:
+            self.last_computed_share = m.computed_share
         if m.tokens_per_second > 0:
             self.last_tokens_per_second = m.tokens_per_second
             self._tps = (self._tps + [m.tokens_per_second])[-50:]

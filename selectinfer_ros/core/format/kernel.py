@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_decode.c"
-ABI_VERSION = 6
+ABI_VERSION = 8
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
 # (name, cpuinfo flags it needs, compiler flags), best first, per machine
@@ -66,7 +66,13 @@ class LayerC(ctypes.Structure):
                 + [("window", ctypes.c_int64)]
                 + [(n, ctypes.c_void_p) for n in ("gu", "gu_scale", "down", "down_scale")]
                 + [("down_ld", ctypes.c_int64), ("n_active", ctypes.c_int64),
-                   ("rec", ctypes.c_void_p), ("rec_ld", ctypes.c_int64)])
+                   ("rec", ctypes.c_void_p), ("rec_ld", ctypes.c_int64)]
+                # per-token selection: token 1 (int8: down neuron-major [n_active, H]), the two
+                # thresholds, kept: int64 the kept neurons are added to, candidates: int64 the
+                # candidates (up row read) are added to (None: not counted)
+                + [("token", ctypes.c_int64), ("gate_thr", ctypes.c_float),
+                   ("act_thr", ctypes.c_float), ("kept", ctypes.c_void_p),
+                   ("candidates", ctypes.c_void_p)])
 
 
 class ModelC(ctypes.Structure):
@@ -75,7 +81,10 @@ class ModelC(ctypes.Structure):
                 + [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("act", ctypes.c_int),
                    ("teams", ctypes.c_int64)]
                 + [(n, ctypes.c_void_p) for n in ("h", "q", "kv", "att", "scores", "gu", "a",
-                                                  "xq", "xd", "xs")])
+                                                  "xq", "xd", "xs",
+                                                  "idx",  # int32 [2 * max_k]
+                                                  "cnt",  # int64 [teams + 1]
+                                                  "cand")])  # int64 [teams]
 
 
 STRUCT_SIZES = (ctypes.sizeof(Mat), ctypes.sizeof(LayerC), ctypes.sizeof(ModelC))

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..format.pack import Manifest
 from ..selection.profiles import Profile
+from ..selection.token_rule import ACT_KEY, GATE_KEY, Calibration
 from ..format.progress import progress
 
 
@@ -103,15 +104,20 @@ def file_sha256(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
+CALIBRATION_TOKENS = 64  # counted tokens per batch whose magnitudes enter the per-token thresholds
+
+
 @torch.inference_mode()
 def activation_scores(model: nn.Module, tokenizer, texts: list[str], batch_size: int = 8,
-                      max_tokens: int = 256, desc: str = "profile",
-                      normalize: str = "none") -> tuple[torch.Tensor, int]:
+                      max_tokens: int = 256, desc: str = "profile", normalize: str = "none",
+                      calibration: Calibration | None = None) -> tuple[torch.Tensor, int]:
     """Sum of |a_n| per layer and neuron over the counted tokens of ``texts``: ([L, I], tokens).
 
     ``normalize="token"``: each token's |a| vector is first divided by its mean over the layer's
     neurons, so every token weighs the same (a few tokens with huge activations, such as
-    separators and newlines, do not decide the ranking)."""
+    separators and newlines, do not decide the ranking). ``calibration``: also collects
+    ``|act(gate)|`` and ``|a|`` of up to ``CALIBRATION_TOKENS`` counted tokens per batch, spread
+    over the batch, for the per-token thresholds (:mod:`..selection.token_rule`)."""
     if normalize not in ("none", "token"):
         raise ValueError(f"unknown score normalisation {normalize!r}; use none or token")
     layers = model.model.layers
@@ -119,16 +125,28 @@ def activation_scores(model: nn.Module, tokenizer, texts: list[str], batch_size:
     inter = layers[0].mlp.down_proj.in_features
     scores = torch.zeros(len(layers), inter, dtype=torch.float64, device=device)
     mask_box: list[torch.Tensor] = []
+    gates: dict[int, torch.Tensor] = {}  # layer -> act(gate) [B, T, I] of the batch in flight
 
     def hook(layer: int):
         def pre(_mod, args):
             a = args[0].abs().float()  # [B, T, I]
+            if calibration is not None:
+                pick = mask_box[1]  # [n, 2] (row, position) of the sampled tokens
+                calibration.add(layer, gates.pop(layer)[pick[:, 0], pick[:, 1]], a[pick[:, 0], pick[:, 1]])
             if normalize == "token":
                 a = a / a.mean(-1, keepdim=True).clamp_min(1e-12)
             scores[layer] += torch.einsum("bti,bt->i", a, mask_box[0]).double()
         return pre
 
+    def gate_hook(layer: int, act_fn):
+        def post(_mod, _args, out):
+            gates[layer] = act_fn(out)
+        return post
+
     handles = [blk.mlp.down_proj.register_forward_pre_hook(hook(i)) for i, blk in enumerate(layers)]
+    if calibration is not None:
+        handles += [blk.mlp.gate_proj.register_forward_hook(gate_hook(i, blk.mlp.act_fn))
+                    for i, blk in enumerate(layers)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     bos = tokenizer.bos_token_id
     tokens = 0
@@ -145,7 +163,9 @@ def activation_scores(model: nn.Module, tokenizer, texts: list[str], batch_size:
             count = attn.clone().float()
             if bos is not None:
                 count[ids == bos] = 0.0
-            mask_box[:] = [count.to(device)]
+            counted = torch.nonzero(count > 0)  # [n, 2]
+            step = max(1, -(-counted.shape[0] // CALIBRATION_TOKENS))
+            mask_box[:] = [count.to(device), counted[::step].to(device)]
             # The decoder stack only: the FFN activations are all we need, not the logits.
             model.model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
             tokens += int(count.sum())
@@ -215,14 +235,25 @@ def profile_task(model: nn.Module, tokenizer, manifest: Manifest, task: str,
     if records is None:
         records = [r for p in paths for r in read_prompts(p)]
     texts = [record_text(r) for r in records]
+    cal = Calibration(len(model.model.layers))
     scores, tokens = activation_scores(model, tokenizer, texts, batch_size, max_tokens,
-                                       desc=f"profile {task}", normalize=normalize)
-    extra = {}
+                                       desc=f"profile {task}", normalize=normalize, calibration=cal)
+    extra = dict(zip((GATE_KEY, ACT_KEY), cal.tables()))
     if sensitivity:
         extra["sensitivity"] = layer_sensitivity(model, tokenizer, texts, scores,
                                                  max_tokens=max_tokens, desc=f"sensitivity {task}")
     return Profile(task, manifest.model_id, manifest.fingerprint, scores, tokens, file_sha256(paths),
                    extra, {"score_normalize": normalize, "records": str(len(records))})
+
+
+def calibrate_task(model: nn.Module, tokenizer, records: list[dict], batch_size: int = 8,
+                   max_tokens: int = 256, desc: str = "calibrate") -> dict[str, torch.Tensor]:
+    """The per-token thresholds of ``records`` (profile tensors by name), as :func:`profile_task`
+    stores them, for a profile made before they existed."""
+    cal = Calibration(len(model.model.layers))
+    activation_scores(model, tokenizer, [record_text(r) for r in records], batch_size, max_tokens,
+                      desc=desc, calibration=cal)
+    return dict(zip((GATE_KEY, ACT_KEY), cal.tables()))
 
 
 def summarize(profiles: dict[str, Profile], static_ratio: float = 0.3, top: int = 5) -> str:

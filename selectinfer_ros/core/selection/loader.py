@@ -18,7 +18,7 @@ from torch import nn
 from ..format.architectures import activation_name, architecture_for
 from ..format.int8 import Int8Embedding, Int8Linear, kernel_status
 from ..format.q4 import Q4Embedding, Q4Linear
-from ..options import SELECTIONS, check_ratios
+from ..options import COMPUTE_MODES, SELECTIONS, check_ratios
 from ..format.pack import (FFN_FILE, OTHER_FILE, Manifest, check_ffn_file, checksum_error, neuron_key,
                    read_checksums, read_manifest, tensor_sum, word_sums)
 from .profiles import (ProfileCatalog, Selection, neuron_count, select_published, select_random,
@@ -26,6 +26,7 @@ from .profiles import (ProfileCatalog, Selection, neuron_count, select_published
 from ..format.progress import progress
 from ..format.safetensors_io import CountingReader, FormatError, read_header
 from ..format.tokenizer import load_tokenizer
+from . import token_rule
 from .selective_mlp import SelectionState, SelectiveMLP, Slots
 
 BOUNCE_BYTES = 8 << 20  # bounce buffer for coalesced neuron reads
@@ -201,11 +202,14 @@ class SelectiveModel:
                  task: str | None = None, *, load_ratio: float = 1.0,
                  static_ratio: float | None = None, compute_ratio: float | None = None,
                  alpha: float = 0.2, device: str = "cpu", dtype: str | torch.dtype | None = None,
-                 dense_layers: int = 0, selection: str = "auto",
+                 dense_layers: int = 0, selection: str = "auto", compute_mode: str = "prompt",
                  log: Callable[[str], None] = lambda s: None):
         """Load ``packed_dir`` with ``load_ratio`` of each layer's neurons for ``task`` (the
         catalogue's general profile when None). ``static_ratio``/``compute_ratio`` None = ``load_ratio``;
-        the serving path resolves all three once (:class:`~..options.Ratios`) and passes them."""
+        the serving path resolves all three once (:class:`~..options.Ratios`) and passes them.
+        ``compute_mode``: ``prompt`` (the prompt chooses one set for every decode token, as
+        published) or ``token`` (each decode token chooses, :mod:`.token_rule`; thresholds from
+        the task's profile)."""
         t0 = time.perf_counter()
         self.path = Path(packed_dir)
         self.manifest = read_manifest(self.path)
@@ -224,6 +228,9 @@ class SelectiveModel:
         if selection not in SELECTIONS:
             raise ValueError(f"unknown selection strategy {selection!r}; choose from {', '.join(SELECTIONS)}")
         self.selection_strategy = selection
+        if compute_mode not in COMPUTE_MODES:
+            raise ValueError(f"unknown compute_mode {compute_mode!r}; choose from {', '.join(COMPUTE_MODES)}")
+        self.compute_mode = compute_mode
         static_ratio = load_ratio if static_ratio is None else static_ratio
         compute_ratio = load_ratio if compute_ratio is None else compute_ratio
         check_ratios(load_ratio, static_ratio, compute_ratio)
@@ -237,6 +244,10 @@ class SelectiveModel:
         self.model, self.config = build_skeleton(self.path, self.dtype)
         self.state = SelectionState()
         self.state.alpha = alpha
+        self.state.per_token = compute_mode == "token"
+        self.state.kept = torch.zeros(self.manifest.num_layers, dtype=torch.int64)
+        self.state.candidates = torch.zeros(self.manifest.num_layers, dtype=torch.int64)
+        self.token_tables = self._token_tables(self.task) if self.state.per_token else None
         act = activation_name(self.config)
         self.mlps: list[SelectiveMLP] = []
         for layer, block in enumerate(self.model.model.layers):
@@ -300,7 +311,7 @@ class SelectiveModel:
     def _empty_slots(self, k: int) -> Slots:
         m = self.manifest
         return Slots.empty(k, m.hidden_size, self.dtype, m.int8_ffn, self.device,
-                           m.record_bytes if m.q4_ffn else 0)
+                           m.record_bytes if m.q4_ffn else 0, down_rows=self.state.per_token)
 
     def _load_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor, n_static: int) -> int:
         """Fill layer ``layer`` with neurons ``ids`` (slot order) read from disk. Returns records read."""
@@ -386,6 +397,8 @@ class SelectiveModel:
                       for layer, m in enumerate(self.mlps))
         for layer, (incoming, rec) in enumerate(staged):
             self._apply_layer(layer, sel.neurons[layer], sel.n_static[layer], incoming, rec)
+        if self.state.per_token:
+            self.token_tables = self._token_tables(task)
         self.task = task
         self.set_compute_ratio(self.compute_ratio)
         read = sum(inc.numel() for inc, _ in staged)
@@ -397,12 +410,52 @@ class SelectiveModel:
         numbers of neurons (per-layer budgets), the same share phi / gamma of each layer's."""
         check_ratios(self.load_ratio, self.static_ratio, phi)
         self.compute_ratio = phi
+        if self.token_tables is not None:  # every loaded neuron may be computed: thresholds decide
+            gate, act = token_rule.thresholds(*self.token_tables, phi)
+            for mlp in self.mlps:
+                mlp.set_active(mlp.n_loaded)
+                mlp.gate_thr, mlp.act_thr = (0.0, 0.0) if mlp.dense else (gate[mlp.layer], act[mlp.layer])
+            return
         uniform = len({m.n_loaded for m in self.mlps}) == 1
         for mlp in self.mlps:
             if uniform:
                 mlp.set_active(neuron_count(phi, self.manifest.intermediate_size))
             else:
                 mlp.set_active(int(mlp.n_loaded * phi / self.load_ratio + 0.5))
+
+    def _token_tables(self, task: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The task profile's per-token thresholds (refused, said why, when it has none)."""
+        if self.catalog is None:
+            raise ValueError("compute_mode 'token' needs a profiles folder (its thresholds)")
+        prof = self.catalog.get(task)
+        if token_rule.GATE_KEY not in prof.extra or token_rule.ACT_KEY not in prof.extra:
+            raise ValueError(f"profile {task!r} has no per-token thresholds; run `selectinfer "
+                             f"profile --calibrate-only` for it (or compute_mode 'prompt')")
+        return prof.extra[token_rule.GATE_KEY].float(), prof.extra[token_rule.ACT_KEY].float()
+
+    def counts(self) -> tuple[int, int, int]:
+        """(decode tokens, neurons computed, candidates) so far, summed over layers (token mode;
+        cumulative: :meth:`read_shares` takes the difference from an earlier reading)."""
+        st = self.state
+        return st.decoded, int(st.kept.sum()), int(st.candidates.sum())
+
+    def read_shares(self, since: tuple[int, int, int] = (0, 0, 0),
+                    until: tuple[int, int, int] | None = None) -> dict[str, float]:
+        """Per decode token, as shares of all MLP neurons: ``computed_share`` (up and down read),
+        ``candidate_share`` (up read) and ``read_share`` (the neuron rows read: gate, up and down
+        count a third each). Prompt mode: the active prefix (phi). Token mode: measured from
+        ``since`` to ``until`` (:meth:`counts` readings; ``until`` None: now; the torch path
+        and the decode kernel count both), every loaded gate row read."""
+        m = self.manifest
+        if not self.state.per_token:
+            phi = sum(x.n_active for x in self.mlps) / (m.num_layers * m.intermediate_size)
+            return {"computed_share": phi, "candidate_share": phi, "read_share": phi}
+        tokens, kept, cand = (a - b for a, b in zip(until or self.counts(), since))
+        total = max(1, tokens) * m.num_layers * m.intermediate_size
+        kept, cand = kept / total, cand / total
+        loaded = sum(x.n_loaded for x in self.mlps) / (m.num_layers * m.intermediate_size)
+        return {"computed_share": kept, "candidate_share": cand,
+                "read_share": (loaded + cand + kept) / 3}
 
     def active_neuron_ids(self) -> list[torch.Tensor]:
         """Per layer, the neuron ids computed in decode (after the last prefill's selection)."""

@@ -290,10 +290,22 @@ def general_profile(profiles: list[Profile], model_id: str, fingerprint: str) ->
     if all("sensitivity" in p.extra for p in tasks):
         extra["sensitivity"] = torch.stack([p.extra["sensitivity"] / p.extra["sensitivity"].mean()
                                             for p in tasks]).mean(0)
+    extra.update(general_token_tables(tasks))
     return Profile(GENERAL_TASK, model_id, fingerprint, fuse_scores([p.scores for p in tasks]),
                    sum(p.tokens for p in tasks),
                    hashlib.sha256("".join(p.dataset_sha256 for p in tasks).encode()).hexdigest(),
                    extra, {"kind": "general", "fused_from": ",".join(p.task for p in tasks)})
+
+
+def general_token_tables(profiles: list[Profile]) -> dict[str, torch.Tensor]:
+    """The per-token thresholds of the task profiles fused (weighted by their tokens); none
+    unless every task has them."""
+    from .token_rule import ACT_KEY, GATE_KEY, fuse
+    tasks = [p for p in profiles if p.info.get("kind") != "general"]
+    if not tasks or not all(GATE_KEY in p.extra and ACT_KEY in p.extra for p in tasks):
+        return {}
+    gate, act = fuse([(p.extra[GATE_KEY], p.extra[ACT_KEY]) for p in tasks], [p.tokens for p in tasks])
+    return {GATE_KEY: gate, ACT_KEY: act}
 
 
 BASE_META = ("format", "version", "task", "model_id", "fingerprint", "tokens", "dataset_sha256",
@@ -345,6 +357,13 @@ def load_profile(path: str | Path, manifest: Manifest | None = None) -> Profile:
         prof.quality_curve()
     except (ValueError, KeyError) as e:
         raise FormatError(f"{path}: bad quality curve ({e})") from e
+    from .token_rule import ACT_KEY, GATE_KEY, check_tables
+    if GATE_KEY in loaded or ACT_KEY in loaded:
+        why = ("one of the two per-token threshold tables is missing"
+               if not (GATE_KEY in loaded and ACT_KEY in loaded)
+               else check_tables(loaded[GATE_KEY], loaded[ACT_KEY], scores.shape[0]))
+        if why:
+            raise FormatError(f"{path}: {why}")
     return prof
 
 

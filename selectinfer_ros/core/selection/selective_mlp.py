@@ -10,6 +10,14 @@ first ``n_active`` entries of every down row, so a decode step reads exactly the
 
 Slots hold float rows, int8 rows with a float32 scale each (``int8`` packed models), or the
 4-bit neuron records whole (``q4`` packed models: ``rec[:n_active]`` is the active prefix).
+
+Per-token selection (``compute_mode`` ``token``, :class:`TokenRule`): no prompt-chosen set; each
+decode token computes the gate row of every loaded neuron, the up row of the candidates whose
+``|act(gate)|`` clears the layer's gate threshold, and the down column of those whose
+``|act(gate) * up|`` clears its activation threshold (CATS-like, with a second stage on the
+candidates). The thresholds come from the profile's calibration (:mod:`.token_rule`). int8
+slots then hold the down projection neuron-major (``down`` ``[k, H]``) so that the decode kernel
+reads a chosen neuron's down column as one contiguous row.
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ from transformers.activations import ACT2FN
 from ..format import int8, q4
 
 
+_CHUNK = 2048  # neurons per float product of neuron-major int8 down rows (bounds the temporary)
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -45,28 +54,37 @@ def copy_index(dst: torch.Tensor, dim: int, idx: torch.Tensor, src: torch.Tensor
 @dataclass
 class Slots:
     """Storage of ``k`` neuron slots: ``gu`` ``[k, 2, H]``, ``down`` ``[H, k]`` (float, or int8 with
-    ``gu_scale`` ``[k, 2]`` and ``down_scale`` ``[k]`` float32), or 4-bit records ``rec`` uint8
-    ``[k, record_bytes]`` as stored (:func:`..format.pack.q4_records`; no ``gu``, ``down``)."""
+    ``gu_scale`` ``[k, 2]`` and ``down_scale`` ``[k]`` float32; int8 ``down_rows``: ``down`` is
+    ``[k, H]``, neuron-major), or 4-bit records ``rec`` uint8 ``[k, record_bytes]`` as stored
+    (:func:`..format.pack.q4_records`; no ``gu``, ``down``)."""
 
     gu: torch.Tensor | None
     down: torch.Tensor | None
     gu_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
     rec: torch.Tensor | None = None
+    down_rows: bool = False  # int8 down neuron-major [k, H] (per-token selection)
 
     @classmethod
     def empty(cls, k: int, hidden: int, dtype: torch.dtype, quantized: bool,
-              device: torch.device | str, record_bytes: int = 0) -> "Slots":
-        """``record_bytes`` > 0: slots of 4-bit records of that size."""
+              device: torch.device | str, record_bytes: int = 0, down_rows: bool = False) -> "Slots":
+        """``record_bytes`` > 0: slots of 4-bit records of that size; ``down_rows``: int8 down
+        neuron-major."""
         if record_bytes:
             return cls(None, None, rec=torch.empty(k, record_bytes, dtype=torch.uint8, device=device))
         if not quantized:
             return cls(torch.empty(k, 2, hidden, dtype=dtype, device=device),
                        torch.empty(hidden, k, dtype=dtype, device=device))
-        return cls(torch.empty(k, 2, hidden, dtype=torch.int8, device=device),
-                   torch.empty(hidden, k, dtype=torch.int8, device=device),
+        down = (torch.empty(k, hidden, dtype=torch.int8, device=device) if down_rows
+                else torch.empty(hidden, k, dtype=torch.int8, device=device))
+        return cls(torch.empty(k, 2, hidden, dtype=torch.int8, device=device), down,
                    torch.empty(k, 2, dtype=torch.float32, device=device),
-                   torch.empty(k, dtype=torch.float32, device=device))
+                   torch.empty(k, dtype=torch.float32, device=device), down_rows=down_rows)
+
+    @property
+    def down_dim(self) -> int:
+        """The axis of ``down`` that runs over slots."""
+        return 0 if self.down_rows else 1
 
     @property
     def quantized(self) -> bool:
@@ -80,7 +98,8 @@ class Slots:
             copy_index(self.rec, 0, dst, vals.contiguous(), every)
             return
         copy_index(self.gu, 0, dst, vals[:, :2].to(self.gu.dtype).contiguous(), every)
-        copy_index(self.down, 1, dst, vals[:, 2].t().to(self.down.dtype).contiguous(), every)
+        down = vals[:, 2] if self.down_rows else vals[:, 2].t()
+        copy_index(self.down, self.down_dim, dst, down.to(self.down.dtype).contiguous(), every)
         if self.quantized:
             copy_index(self.gu_scale, 0, dst, scales[:, :2].contiguous(), every)
             copy_index(self.down_scale, 0, dst, scales[:, 2].contiguous(), every)
@@ -91,7 +110,7 @@ class Slots:
             copy_index(self.rec, 0, dst, other.rec, src)
             return
         copy_index(self.gu, 0, dst, other.gu, src)
-        copy_index(self.down, 1, dst, other.down, src)
+        copy_index(self.down, self.down_dim, dst, other.down, src)
         if self.quantized:
             copy_index(self.gu_scale, 0, dst, other.gu_scale, src)
             copy_index(self.down_scale, 0, dst, other.down_scale, src)
@@ -110,6 +129,11 @@ class SelectionState:
         self.method = "frequency"  # or "norm" (GRIFFIN-style prompt-wide activation norms)
         self.token_weight: torch.Tensor | None = None  # [T] 1.0 for tokens that vote, 0.0 (BOS) not
         self.select_seconds = 0.0  # time spent choosing dynamic neurons since the last reset
+        self.per_token = False  # compute_mode "token": each decode token chooses its neurons
+        # token mode, cumulative (see SelectiveModel.read_shares):
+        self.kept = torch.zeros(0, dtype=torch.int64)  # [L] neurons computed in decode
+        self.candidates = torch.zeros(0, dtype=torch.int64)  # [L] of them candidates (up row read)
+        self.decoded = 0  # decode tokens counted in ``kept``
 
     def start_prefill(self, token_weight: torch.Tensor | None) -> None:
         """A new request: the next forward is its prefill (selection runs there)."""
@@ -136,10 +160,13 @@ class SelectiveMLP(nn.Module):
         self.register_buffer("down_scale", None)  # [k] float32, int8 slots only
         self.register_buffer("rec", None)  # [k, record_bytes] uint8, 4-bit records only
         self.register_buffer("slot_ids", torch.empty(0, dtype=torch.long, device=device))  # [k]
+        self.down_rows = False  # int8 ``down`` neuron-major [k, H] (per-token selection)
+        self.gate_thr = 0.0  # per-token mode: |act(gate)| a candidate clears
+        self.act_thr = 0.0  # per-token mode: |act(gate) * up| a computed neuron clears
 
     @property
     def slots(self) -> Slots:
-        return Slots(self.gu, self.down, self.gu_scale, self.down_scale, self.rec)
+        return Slots(self.gu, self.down, self.gu_scale, self.down_scale, self.rec, self.down_rows)
 
     @property
     def n_loaded(self) -> int:
@@ -150,6 +177,7 @@ class SelectiveMLP(nn.Module):
         self.gu, self.down = slots.gu, slots.down
         self.gu_scale, self.down_scale = slots.gu_scale, slots.down_scale
         self.rec = slots.rec
+        self.down_rows = slots.down_rows
         self.slot_ids = slot_ids
         self.n_static = n_static
         self.n_active = slot_ids.numel()
@@ -159,11 +187,10 @@ class SelectiveMLP(nn.Module):
         self.n_active = self.n_loaded if self.dense else max(self.n_static, min(n_active, self.n_loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, H]
-        k = self.n_loaded if self.state.prefill else self.n_active
+        per_token = self.state.per_token and not self.state.prefill  # dense layers: thresholds 0
+        k = self.n_loaded if self.state.prefill or per_token else self.n_active
         if self.rec is not None:  # 4-bit records: the active prefix, read in place
             out = q4.records_linear(x, self.rec[:k], self.hidden)  # [B, T, k, 2]
-            h = self.act_fn(out[..., 0].contiguous()) * out[..., 1]  # [B, T, k]
-            y = q4.records_down(h, self.rec[:k], self.hidden).to(x.dtype)  # [B, T, H]
         else:
             gu = self.gu[:k].view(2 * k, self.hidden)
             if self.gu_scale is not None:  # int8 slots
@@ -171,15 +198,37 @@ class SelectiveMLP(nn.Module):
             else:
                 out = nn.functional.linear(x, gu)  # [B, T, 2k]
             out = out.view(*x.shape[:-1], k, 2)
-            h = self.act_fn(out[..., 0].contiguous()) * out[..., 1]  # [B, T, k]; strided GELU: 6x slower
-            if self.down_scale is not None:  # the down column scales fold into the activations
-                y = int8.linear(h * self.down_scale[:k].to(h.dtype), self.down[:, :k], None)  # [B, T, H]
-            else:
-                y = nn.functional.linear(h, self.down[:, :k])  # [B, T, H]
-        if self.state.prefill and self.n_active < self.n_loaded:
+        g = self.act_fn(out[..., 0].contiguous())  # [B, T, k]; strided GELU: 6x slower
+        h = g * out[..., 1]  # [B, T, k]
+        if per_token:  # the torch path computes every row and zeroes the neurons not kept
+            cand = g.abs() >= self.gate_thr  # [B, T, k]
+            keep = cand & (h.abs() >= self.act_thr)
+            h = h * keep
+            if self.layer < self.state.kept.numel():
+                self.state.kept[self.layer] += int(keep.sum())
+                self.state.candidates[self.layer] += int(cand.sum())
+                if self.layer == 0:
+                    self.state.decoded += keep[..., 0].numel()
+        y = self._down(h, k).to(x.dtype)  # [B, T, H]
+        if self.state.prefill and self.n_active < self.n_loaded and not self.state.per_token:
             t0 = time.perf_counter()
             self._select(h)
             self.state.select_seconds += time.perf_counter() - t0
+        return y
+
+    def _down(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        """``h`` ``[B, T, k]`` through the down columns of slots ``[0, k)`` -> ``[B, T, H]``."""
+        if self.rec is not None:
+            return q4.records_down(h, self.rec[:k], self.hidden)
+        if self.down_scale is None:
+            return nn.functional.linear(h, self.down[:, :k])
+        h = h * self.down_scale[:k].to(h.dtype)  # the down column scales fold into the activations
+        if not self.down_rows:
+            return int8.linear(h, self.down[:, :k], None)
+        y = None  # neuron-major rows [k, H]: float products over chunks of neurons
+        for c in range(0, k, _CHUNK):
+            part = h[..., c:c + _CHUNK] @ self.down[c:min(k, c + _CHUNK)].to(h.dtype)
+            y = part if y is None else y.add_(part)
         return y
 
     def _select(self, h: torch.Tensor) -> None:

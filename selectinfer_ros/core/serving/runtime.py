@@ -116,6 +116,7 @@ class Runtime:
             path, profiles, opts.task or None, load_ratio=r.load, static_ratio=r.static,
             compute_ratio=r.compute, alpha=opts.alpha, device=opts.device,
             dtype=opts.dtype or None, dense_layers=opts.dense_layers, selection=opts.selection,
+            compute_mode=opts.compute_mode,
             log=log)
         # another format's curve stands in for records without their own: the gap between the
         # two on the model's measured frontier corrects it
@@ -138,8 +139,11 @@ class Runtime:
     def expected_agreement(self, compute_ratio: float | None = None) -> float | None:
         """Next-token agreement with the dense model that the active task's stored quality curve
         predicts at the running gamma and ``compute_ratio`` (default: the model's); None when the
-        profile has no curve or it was measured with another selection."""
+        profile has no curve or it was measured with another selection, and in per-token mode
+        (the stored curves are the prompt mode's; the frontier file has the per-token rows)."""
         sm = self.selective
+        if sm is not None and sm.state.per_token:
+            return None
         if sm is None or sm.catalog is None:
             return None
         phi = compute_ratio if compute_ratio is not None else sm.compute_ratio

@@ -27,10 +27,11 @@ MEMORY_KEYS = ("weight_bytes", "ffn_weight_bytes", "other_weight_bytes", "proces
                "peak_rss_bytes", "cuda_allocated_bytes", "system_available_bytes",
                "memory_headroom_bytes", "load_ratio", "compute_ratio", "neurons_loaded")
 THROUGHPUT_KEYS = ("last_tokens_per_second", "average_tokens_per_second",
-                   "last_time_to_first_token", "queue_depth", "queue_length", "generating",
+                   "last_time_to_first_token", "last_computed_share", "queue_depth", "queue_length", "generating",
                    "goals_succeeded", "goals_canceled", "goals_aborted", "goals_rejected",
                    "last_rejection", "lifecycle_state")
 PROFILE_KEYS = ("active_task", "tasks", "model_id", "load_ratio", "static_ratio", "compute_ratio",
+                "compute_mode",
                 "neurons_loaded", "profile_switches", "last_reload_seconds",
                 "last_reload_bytes_read", "full_load_seconds", "full_load_bytes_read",
                 "expected_agreement", "load_ratio_bound")
@@ -51,11 +52,13 @@ class Snapshot:
     load_ratio: float = 0.0
     static_ratio: float = 0.0
     compute_ratio: float = 0.0
+    compute_mode: str = "prompt"
     active_task: str = ""
     tasks: tuple = ()
     last_tokens_per_second: float = 0.0
     average_tokens_per_second: float = 0.0
     last_time_to_first_token: float = 0.0
+    last_computed_share: float = -1.0  # compute_mode token: neurons computed per decode token
     queue_depth: int = 0
     queue_length: int = 0
     generating: bool = False
@@ -127,6 +130,7 @@ def throughput_status(s: Snapshot) -> DiagnosticStatus:
         "last_tokens_per_second": float(s.last_tokens_per_second),
         "average_tokens_per_second": float(s.average_tokens_per_second),
         "last_time_to_first_token": float(s.last_time_to_first_token),
+        "last_computed_share": float(s.last_computed_share),
         "queue_depth": s.queue_depth, "queue_length": s.queue_length, "generating": s.generating,
         "goals_succeeded": s.succeeded, "goals_canceled": s.canceled,
         "goals_aborted": s.aborted, "goals_rejected": s.rejected,
@@ -149,7 +153,7 @@ def profile_status(s: Snapshot) -> DiagnosticStatus:
     values = {
         "active_task": s.active_task, "tasks": tuple(s.tasks), "model_id": s.model_id,
         "load_ratio": s.load_ratio, "static_ratio": s.static_ratio, "compute_ratio": s.compute_ratio,
-        "neurons_loaded": int(s.memory.get("neurons_loaded", 0)),
+        "compute_mode": s.compute_mode, "neurons_loaded": int(s.memory.get("neurons_loaded", 0)),
         "profile_switches": s.switches, "last_reload_seconds": float(s.last_reload_seconds),
         "last_reload_bytes_read": int(s.last_reload_bytes_read),
         "full_load_seconds": float(s.full_load_seconds),
@@ -163,7 +167,8 @@ def profile_status(s: Snapshot) -> DiagnosticStatus:
         agreement = ("" if s.expected_agreement is None else
                      f", expected next-token agreement with dense {s.expected_agreement:.2f}")
         level, msg = OK, (f"task {s.active_task or '-'} on {s.model_id}, load_ratio {s.load_ratio:g}, "
-                          f"compute_ratio {s.compute_ratio:g}{agreement}")
+                          f"compute_ratio {s.compute_ratio:g}"
+                          f"{' per token' if s.compute_mode == 'token' else ''}{agreement}")
     return _status(f"{s.node_name}: profile", s.device, level, msg, values)
 
 

@@ -432,9 +432,11 @@ class InferenceNode(LifecycleNodeMixin, Node):
         except ValueError:  # refused when set; kept for a model loaded since
             snap.compute_ratio = float(rt.compute_ratio)
         snap.active_task, snap.tasks = rt.task, tuple(rt.tasks)
+        snap.compute_mode = rt.selective.compute_mode if rt.selective else "prompt"
         snap.last_tokens_per_second = st.last_tokens_per_second
         snap.average_tokens_per_second = st.average_tokens_per_second
         snap.last_time_to_first_token = st.last_time_to_first_token
+        snap.last_computed_share = st.last_computed_share
         snap.succeeded, snap.canceled, snap.aborted = st.succeeded, st.canceled, st.aborted
         snap.rejected += st.rejected
         snap.switches = rt.switches

@@ -1,12 +1,15 @@
 """The lean decoder against the transformers forward of the same weights."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from selectinfer_ros.core.execution.decode import Decoder, native_unsupported, unsupported
 from selectinfer_ros.core.execution.engine import Engine, GenerationConfig
+from selectinfer_ros.core.selection import token_rule
 from selectinfer_ros.core.selection.loader import SelectiveModel, load_dense
 from selectinfer_ros.core.format.pack import pack
 from selectinfer_ros.core.format import int8, q4
@@ -284,3 +287,192 @@ def test_qwen2_attention_biases_on_quantized_packs_and_in_the_decode_kernel(bias
     assert native_unsupported(e.decoder) is None and e.decoder.path == "int8 decode kernel"
     diffs, top1 = _kernel_vs_torch_ops(sm, ids, 10)
     assert diffs[len(diffs) // 2] < 1e-5 and diffs[-1] < 0.2 and top1 >= 0.9, (weights, diffs)
+
+
+# -- per-token selection (compute_mode "token") in the decode kernel ---------------------------
+TOKEN_PACKS = [("tiny-llama", "int8"), ("tiny-gemma3", "int8"), ("tiny-llama", "q4-all"),
+               ("tiny-gemma3", "q4")]
+
+
+@pytest.fixture(scope="module")
+def token_packs(tiny_models, tmp_path_factory):
+    """Per (family, weights): the pack, and per-token threshold tables ``(gate, act)`` ``[L,
+    SHARES]`` calibrated (:class:`token_rule.Calibration`) on the dense model's ``|act(gate)|``
+    and ``|act(gate) * up|`` over random tokens."""
+    root = tmp_path_factory.mktemp("token")
+    ids = torch.randint(4, 500, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    out = {}
+    for family, weights in TOKEN_PACKS:
+        hf, _ = tiny_models[family]
+        packed = pack(hf, root / f"{family}-{weights}", weights=weights, log=lambda s: None).path
+        model, _ = load_dense(packed)
+        cal = token_rule.Calibration(model.config.num_hidden_layers)
+        gates = {}
+        for i, blk in enumerate(model.model.layers):
+            blk.mlp.gate_proj.register_forward_hook(
+                lambda m, args, y, i=i, f=blk.mlp.act_fn: gates.__setitem__(i, f(y)))
+            blk.mlp.down_proj.register_forward_pre_hook(
+                lambda m, args, i=i: cal.add(i, gates.pop(i)[0], args[0][0]))
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+        out[family, weights] = packed, cal.tables()
+    return out
+
+
+def _token_model(token_packs, monkeypatch, family: str, weights: str,
+                 share: float) -> SelectiveModel:
+    """The pack loaded whole in per-token mode, computing about ``share`` of the neurons per token
+    (thresholds from the fixture's tables; the loader wants them from a profile)."""
+    packed, tables = token_packs[family, weights]
+    monkeypatch.setattr(SelectiveModel, "_token_tables", lambda self, task: tables)
+    sm = SelectiveModel(packed, load_ratio=1.0, static_ratio=0.0, compute_ratio=share,
+                        compute_mode="token")
+    assert sm.state.per_token and all(m.n_active == m.n_loaded for m in sm.mlps)
+    assert all((m.gate_thr > 0) == (share < 1) for m in sm.mlps)
+    assert all(m.down_rows == (m.rec is None) for m in sm.mlps)  # int8: down neuron-major
+    return sm
+
+
+def _torch_layer(d: Decoder, i: int, x: torch.Tensor, p: int) -> torch.Tensor:
+    """Decoder layer ``i`` on torch ops, as :meth:`Decoder._layers` runs it."""
+    l = d.layers[i]
+    a = d._attention(l, i, l.input_norm(x), p)
+    if l.post_attn_norm is not None:
+        a = l.post_attn_norm(a)
+    x = x + a
+    m = l.mlp(l.pre_mlp_norm(x))
+    if l.post_mlp_norm is not None:
+        m = l.post_mlp_norm(m)
+    return x + m
+
+
+@torch.inference_mode()
+def _decode_layer_by_layer(sm: SelectiveModel, ids: list[int], n_prompt: int):
+    """Teacher-forced decode steps after a prefill, every layer of the kernel (one layer a call)
+    on the input and cache the torch-ops layer got: sorted max |kernel - torch| / std(torch) per
+    step and layer, and the neurons kept and the candidates (up row read) per step and layer
+    ``[2, steps, L]`` (kept, candidates) by kernel and torch."""
+    e = Engine.from_selective(sm)
+    d, native = e.decoder, e.decoder.native
+    assert d.path == "int8 decode kernel"
+    d.native = None
+    e._start(torch.tensor([ids[:n_prompt]]))
+    d.prefill(ids[:n_prompt], extra=len(ids) - n_prompt)
+    e._end_prefill()
+    native.stale = True
+    st = sm.state
+
+    def counts() -> torch.Tensor:  # [2, L]: kept, candidates so far
+        return torch.stack([st.kept.clone(), st.candidates.clone()])
+
+    rel, by_kernel, by_torch = [], [], []
+    for p, t in enumerate(ids[n_prompt:], start=n_prompt):
+        d._step[0, 0] = t
+        x = d.embed(d._step)
+        for i in range(len(d.layers)):
+            saved = d.k_cache[i].clone(), d.v_cache[i].clone()
+            native._prepare()
+            got, before = x.clone().contiguous(), counts()
+            assert native.fn(ctypes.byref(native.model), ctypes.byref(native.layers[i]), 1,
+                             got.data_ptr(), p, torch.get_num_threads(), None) == 0
+            by_kernel.append((counts() - before)[:, i])
+            d.k_cache[i].copy_(saved[0])
+            d.v_cache[i].copy_(saved[1])
+            before = counts()
+            want = _torch_layer(d, i, x, p)
+            by_torch.append((counts() - before)[:, i])
+            rel.append(float((got - want).abs().max() / want.std()))
+            x = want
+    L = len(d.layers)
+    return (sorted(rel), torch.stack(by_kernel, 1).view(2, -1, L),
+            torch.stack(by_torch, 1).view(2, -1, L))
+
+
+def _compacted_records_down(real):
+    """``q4.records_down`` over the kept neurons only (the nonzero activations of each row, in
+    slot order), as the kernel reads them: its integer down product quantizes the coefficients
+    per group of 32 neurons of the list, which the torch path (zeroed neurons in place) groups
+    otherwise."""
+    def down(a: torch.Tensor, rec: torch.Tensor, hidden: int) -> torch.Tensor:
+        rows = [real(r[i][None], rec[i], hidden)[0] if (i := r.nonzero().flatten()).numel()
+                else r.new_zeros(hidden) for r in a.reshape(-1, a.shape[-1])]
+        return torch.stack(rows).view(*a.shape[:-1], hidden)
+    return down
+
+
+@pytest.mark.parametrize("family,weights", TOKEN_PACKS)
+def test_token_selection_in_the_decode_kernel_equals_torch_ops(token_packs, monkeypatch, family,
+                                                               weights):
+    """compute_mode token, about half of the neurons per token: every decode layer of the kernel
+    equals the torch-ops layer (SelectiveMLP in token mode) from the same input, to float
+    rounding at most steps and within int8 noise at the others (as the prompt-mode tests above),
+    and keeps the same neurons and counts the same candidates (up row read), up to the few that
+    an int8 rounding step moves across a threshold. 4-bit: against the torch path whose down
+    product takes the kept neurons as the kernel groups them; the torch path as it is differs by
+    that grouping (the coefficients' 8-bit noise) only."""
+    sm = _token_model(token_packs, monkeypatch, family, weights, 0.5)
+    ids = torch.randint(4, 500, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    if weights.startswith("q4"):
+        rel, _, _ = _decode_layer_by_layer(sm, ids, 10)
+        assert rel[len(rel) // 2] < 0.05 and rel[-1] < 0.2, rel
+        monkeypatch.setattr(q4, "records_down", _compacted_records_down(q4.records_down))
+    rel, by_kernel, by_torch = _decode_layer_by_layer(sm, ids, 10)
+    assert rel[len(rel) // 2] < 1e-5 and rel[-1] < 0.2, (family, weights, rel)
+    n = sm.mlps[0].n_loaded
+    kept, cand = by_torch
+    assert 0.3 * n < float(kept.float().mean()) < 0.7 * n, kept  # about half
+    assert (cand >= kept).all() and int(cand.sum()) > int(kept.sum()) and (cand < n).any(), \
+        (cand, kept)
+    for what, got, want in zip(("kept", "candidates"), by_kernel, by_torch):
+        diff = (got - want).abs()
+        assert int(diff.max()) <= 4 and int(diff.sum()) <= 0.01 * int(want.sum()), (what, got,
+                                                                                     want)
+
+
+@pytest.mark.parametrize("family,weights", TOKEN_PACKS)
+def test_token_selection_with_thresholds_0_equals_every_loaded_neuron(token_packs, monkeypatch,
+                                                                      family, weights):
+    """Thresholds 0 (share 1): the kernel's token path computes every loaded neuron, as the
+    prompt mode at gamma = phi = 1 does: 4-bit identically (the same records and products),
+    int8 to the noise of the prompt mode's int8 activations into the down projection (token
+    mode sums it in float); every neuron is counted as kept and as a candidate, and every decode
+    token. The thresholds follow set_compute_ratio within a request (no prefill between)."""
+    ids = torch.randint(4, 500, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    logits = {}
+    for mode in ("prompt", "token"):
+        if mode == "token":
+            sm = _token_model(token_packs, monkeypatch, family, weights, 1.0)
+        else:
+            sm = SelectiveModel(token_packs[family, weights][0], load_ratio=1.0)
+        e = Engine.from_selective(sm)
+        assert e.decoder.path == "int8 decode kernel"
+        with torch.inference_mode():
+            e._start(torch.tensor([ids[:10]]))
+            out = [e.decoder.prefill(ids[:10], extra=len(ids) - 8)]  # 2 more tokens below
+            e._end_prefill()
+            out += [e.decoder.decode_one_token(t) for t in ids[10:]]
+        logits[mode] = torch.stack(out)
+    got, want = logits["token"], logits["prompt"]
+    if weights.startswith("q4"):
+        assert torch.equal(got, want)
+    else:
+        rel = (got - want).abs().amax(-1) / want.std(-1)
+        same = (got.argmax(-1) == want.argmax(-1)).float().mean()
+        assert float(rel.max()) < 0.2 and float(same) >= 0.9, (rel, same)
+    steps, n = len(ids) - 10, sm.mlps[0].n_loaded
+    st = sm.state
+    assert st.decoded == steps and st.kept.tolist() == [steps * n] * len(sm.mlps)
+    assert st.candidates.tolist() == [steps * n] * len(sm.mlps)
+    # half the neurons from the next token on, without a prefill in between, then all again
+    d = e.decoder
+    with torch.inference_mode():
+        for share in (0.5, 1.0):
+            sm.set_compute_ratio(share)
+            assert not d.native.stale  # the kernel's structures follow the thresholds anyway
+            before, cand_before = st.kept.clone(), st.candidates.clone()
+            d.decode_one_token(ids[-1])
+            step, cand = st.kept - before, st.candidates - cand_before
+            assert (step < 0.8 * n).all() if share < 1 else (step == n).all(), (share, step)
+            assert (cand >= step).all() and ((cand < n).any() if share < 1 else
+                                             (cand == n).all()), (share, cand, step)
+    assert st.decoded == steps + 2

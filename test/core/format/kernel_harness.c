@@ -9,10 +9,24 @@
      int8 model (2 layers, GQA, q/k norms, q/k/v biases, a sliding window, a partial active
      prefix),
    - "decode4 <pos> <values...>": the same for a 4-bit model (4-bit projections and records),
+   - "decodet <pos> <values...>" and "decode4t <pos> <values...>": the int8 model (its down
+     projection neuron-major) and the 4-bit model with per-token selection (si_layer.token,
+     thresholds that keep about half of the slots), each followed by
+     "keptt <pos> <layer 0 and 1 counts>" / "kept4t <pos> <counts>": the neurons kept, and
+     with the argument "candidates" (test_kernel.py) then "candt <pos> <counts>" /
+     "cand4t <pos> <counts>": the candidates (|act(gate)| over its threshold, up row read),
    all from a fixed pseudo-random sequence, as %a (exact) floats. */
 #include "int8_decode.c"
 
 #include <stdio.h>
+
+/* per-token thresholds (|act(gate)|, |act(gate) * up|) of the harness's int8 and 4-bit models:
+   each keeps about 35 of the 80 active slots per layer and token (4-bit: more than one group
+   of 32 in the down product) */
+#define TOKEN_GATE_THR 0.1f
+#define TOKEN_ACT_THR 1.0f
+#define TOKEN4_GATE_THR 0.2f
+#define TOKEN4_ACT_THR 0.05f
 
 static uint64_t state = 88172645463325252ull;
 
@@ -72,7 +86,8 @@ static uint8_t *records4(int64_t n, int64_t H) {
     return r;
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    int cands = argc > 1 && strcmp(argv[1], "candidates") == 0; /* print candt, cand4t */
     printf("isa %s\n", si_isa());
     static const int64_t shapes[][4] = {/* N, K, M, ldw */
                                         {7, 45, 3, 45},    {64, 640, 1, 640}, {33, 31, 2, 40},
@@ -108,7 +123,7 @@ int main(void) {
 
     const int64_t H = 64, nh = 4, nkv = 2, hd = 16, cap = 8, loaded = 96, L = 2, teams = 2;
     si_model m = {H, nh, nkv, hd, cap, loaded > H ? loaded : H, 1e-6f, 0.25f, 1, teams,
-                  NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+                  NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     m.h = calloc(m.max_k, sizeof(float));
     m.q = calloc(nh * hd, sizeof(float));
     m.kv = calloc(2 * nkv * hd, sizeof(float));
@@ -119,6 +134,9 @@ int main(void) {
     m.xq = calloc(m.max_k + QK, 1);
     m.xd = calloc(m.max_k / QK + 2, sizeof(float));
     m.xs = calloc(m.max_k / QK + 2, sizeof(int32_t));
+    m.idx = calloc(2 * m.max_k, sizeof(int32_t));
+    m.cnt = calloc(teams + 1, sizeof(int64_t));
+    m.cand = calloc(teams, sizeof(int64_t));
     si_layer layers[2];
     memset(layers, 0, sizeof layers); /* rec NULL: int8 slots first */
     float *cos = frand(cap * hd, -1.0f, 1.0f), *sin = frand(cap * hd, -1.0f, 1.0f);
@@ -155,8 +173,34 @@ int main(void) {
         if (si_decode_layers(&m, layers, L, x, pos, 2, NULL) != 0) return 1;
         print("decode", pos, 0, x, H);
     }
+    /* per-token selection over all 80 active slots (GELU), about half of them kept */
+    int64_t kept[2], cand[2];
+    for (int l = 0; l < L; l++) {
+        si_layer *ly = &layers[l];
+        ly->down = qrows(loaded * H); /* neuron-major [loaded, H] */
+        ly->down_ld = H;
+        ly->token = 1;
+        ly->gate_thr = TOKEN_GATE_THR;
+        ly->act_thr = TOKEN_ACT_THR;
+        ly->kept = &kept[l];
+        ly->candidates = &cand[l];
+        memset(ly->k_cache, 0, (size_t)(nkv * cap * hd) * sizeof(float));
+        memset(ly->v_cache, 0, (size_t)(nkv * cap * hd) * sizeof(float));
+    }
+    for (int64_t pos = 0; pos < 6; pos++) {
+        for (int64_t i = 0; i < H; i++) x[i] = urand();
+        kept[0] = kept[1] = cand[0] = cand[1] = 0;
+        if (si_decode_layers(&m, layers, L, x, pos, 2, NULL) != 0) return 1;
+        print("decodet", pos, 0, x, H);
+        float kf[2] = {(float)kept[0], (float)kept[1]};
+        print("keptt", pos, 0, kf, 2);
+        float cf[2] = {(float)cand[0], (float)cand[1]};
+        if (cands) print("candt", pos, 0, cf, 2);
+    }
     for (int l = 0; l < L; l++) { /* the same model over 4-bit rows and records */
         si_layer *ly = &layers[l];
+        ly->token = 0; /* the active prefix first */
+        ly->kept = ly->candidates = NULL;
         const float *qb = ly->q.bias, *kb = ly->k.bias, *vb = ly->v.bias;
         ly->q = mat4(nh * hd, H);
         ly->k = mat4(nkv * hd, H);
@@ -174,6 +218,26 @@ int main(void) {
         for (int64_t i = 0; i < H; i++) x[i] = urand();
         if (si_decode_layers(&m, layers, L, x, pos, 2, NULL) != 0) return 1;
         print("decode4", pos, 0, x, H);
+    }
+    for (int l = 0; l < L; l++) {
+        si_layer *ly = &layers[l];
+        ly->token = 1;
+        ly->gate_thr = TOKEN4_GATE_THR;
+        ly->act_thr = TOKEN4_ACT_THR;
+        ly->kept = &kept[l];
+        ly->candidates = &cand[l];
+        memset(ly->k_cache, 0, (size_t)(nkv * cap * hd) * sizeof(float));
+        memset(ly->v_cache, 0, (size_t)(nkv * cap * hd) * sizeof(float));
+    }
+    for (int64_t pos = 0; pos < 6; pos++) {
+        for (int64_t i = 0; i < H; i++) x[i] = urand();
+        kept[0] = kept[1] = cand[0] = cand[1] = 0;
+        if (si_decode_layers(&m, layers, L, x, pos, 2, NULL) != 0) return 1;
+        print("decode4t", pos, 0, x, H);
+        float kf[2] = {(float)kept[0], (float)kept[1]};
+        print("kept4t", pos, 0, kf, 2);
+        float cf[2] = {(float)cand[0], (float)cand[1]};
+        if (cands) print("cand4t", pos, 0, cf, 2);
     }
     return 0;
 }

@@ -1,7 +1,8 @@
 """The C kernel's contract and its paths: the ABI check refuses a library that disagrees with the
 ctypes mirrors, no compiler means the float fallback (with the reason logged, same results), a
 compiler without OpenMP builds a one-thread kernel, and every instruction-set path this CPU runs
-gives the plain C path's results to float rounding, for single products and whole decode steps."""
+gives the plain C path's results to float rounding, for single products and whole decode steps
+(of a packed model, and of kernel_harness.c's small models: prompt and per-token selection)."""
 from __future__ import annotations
 
 import ctypes
@@ -191,3 +192,63 @@ def test_decode_steps_of_every_path_equal_the_plain_c_path(isa, int8_tiny, plain
     assert r["status"].startswith(f"int8 kernel ({isa}, ") and r["path"] == "int8 decode kernel"
     rel = _rel(r["logits"], plain_run["logits"])
     assert float(rel.median()) < 1e-3 and float(rel.max()) < 0.2, rel
+
+
+# kernel_harness.c (see test_kernel_aarch64.py) built for every path of this CPU: single products
+# and whole decode steps of small int8 and 4-bit models, with an active prefix and with per-token
+# selection (si_layer.token, its kept and candidate counts), on 2 threads
+HARNESS = Path(__file__).with_name("kernel_harness.c")
+_HARNESS_KINDS = ("linear", "q4", "axpy", "decode", "decode4", "decodet", "keptt", "candt",
+                  "decode4t", "kept4t", "cand4t")
+
+
+def _harness(isa: str, tmp: Path) -> dict:
+    cflags = dict(kernel.candidates(forced=isa))[isa]
+    exe = tmp / f"harness-{isa}"
+    cc = os.environ.get("CC") or "cc"
+    build = subprocess.run([cc, "-O3", "-std=c11", "-fopenmp", *cflags,
+                            f"-I{kernel.SOURCE.parent}", str(HARNESS), "-o", str(exe), "-lm"],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-2000:]
+    res = subprocess.run([str(exe), "candidates"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out: dict = {k: [] for k in _HARNESS_KINDS}
+    for line in res.stdout.splitlines():
+        kind, *rest = line.split()
+        if kind == "isa":
+            out["isa"] = rest[0]
+        else:
+            out[kind].append(torch.tensor([float.fromhex(v) for v in rest[2:]]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_harness(tmp_path_factory):
+    return _harness("plain", tmp_path_factory.mktemp("harness"))
+
+
+@pytest.mark.parametrize("isa", [n for n, _ in kernel.candidates() if n != "plain"])
+def test_harness_of_every_path_equals_the_plain_c_path(isa, plain_harness, tmp_path):
+    got, plain = _harness(isa, tmp_path), plain_harness
+    assert got["isa"] == isa and plain["isa"] == "plain"
+    for kind in ("linear", "q4", "axpy"):  # the same block sums (axpy: in the same order)
+        assert len(got[kind]) == len(plain[kind]) > 0
+        for a, b in zip(got[kind], plain[kind]):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max())), (isa, kind)
+    # whole decode steps: a float sum's last bit can move an int8 activation by one step, and
+    # (per token) a neuron within a last bit of a threshold across it
+    for kind in ("decode", "decode4", "decodet", "decode4t"):
+        assert len(got[kind]) == len(plain[kind]) == 6
+        rel = torch.stack([(a - b).abs().max() / b.std() for a, b in zip(got[kind], plain[kind])])
+        assert float(rel.median()) < 1e-3 and float(rel.max()) < 0.05, (isa, kind, rel)
+    for kind in ("keptt", "kept4t"):  # neurons kept per layer and step: about half of 80
+        counts, want = torch.stack(got[kind]), torch.stack(plain[kind])
+        assert counts.shape == (6, 2) and 20 <= float(want.min()) and float(want.max()) <= 60
+        assert float((counts - want).abs().max()) <= 1, (isa, kind, counts, want)
+    # candidates (up row read) per layer and step: at least the kept, fewer than all 80
+    for kind, kept in (("candt", "keptt"), ("cand4t", "kept4t")):
+        counts, want = torch.stack(got[kind]), torch.stack(plain[kind])
+        assert counts.shape == (6, 2) and float(want.max()) < 80
+        assert bool((want >= torch.stack(plain[kept])).all()), (kind, want, plain[kept])
+        assert bool((want > torch.stack(plain[kept])).any()), (kind, want, plain[kept])
+        assert float((counts - want).abs().max()) <= 1, (isa, kind, counts, want)

@@ -34,9 +34,11 @@ def _run(isa: str, tmp: Path) -> dict[str, list[torch.Tensor] | str]:
                             f"-I{SOURCE.parent}", str(HARNESS), "-o", str(exe), "-lm"],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-2000:]
-    res = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
+    res = subprocess.run([*runner, str(exe), "candidates"], capture_output=True, text=True,
+                         timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    out: dict = {"linear": [], "q4": [], "axpy": [], "decode": [], "decode4": []}
+    out: dict = {k: [] for k in ("linear", "q4", "axpy", "decode", "decode4", "decodet",
+                                 "keptt", "decode4t", "kept4t", "candt", "cand4t")}
     for line in res.stdout.splitlines():
         kind, *rest = line.split()
         if kind == "isa":
@@ -62,7 +64,17 @@ def test_neon_kernel_equals_the_plain_c_path(isa, plain, tmp_path):
     for a, b in zip(got["axpy"], plain["axpy"]):  # float sums in the same order
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
     # whole decode steps: a float sum's last bit can move an int8 activation by one step
-    for kind in ("decode", "decode4"):  # int8 and 4-bit models
+    # (per-token selection, decodet / decode4t: a neuron within a last bit of a threshold may
+    # flip too; none of the harness's does)
+    for kind in ("decode", "decode4", "decodet", "decode4t"):  # int8 and 4-bit models
         assert len(got[kind]) == len(plain[kind]) == 6
         rel = torch.stack([(a - b).abs().max() / b.std() for a, b in zip(got[kind], plain[kind])])
         assert float(rel.median()) < 1e-3 and float(rel.max()) < 0.05, (kind, rel)
+    for kind in ("keptt", "kept4t"):  # neurons kept per layer and step: about half of 80
+        counts, want = torch.stack(got[kind]), torch.stack(plain[kind])
+        assert counts.shape == (6, 2) and 20 <= float(want.min()) and float(want.max()) <= 60
+        assert float((counts - want).abs().max()) <= 1, (kind, counts, want)
+    for kind, kept in (("candt", "keptt"), ("cand4t", "kept4t")):  # candidates: up row read
+        counts, want = torch.stack(got[kind]), torch.stack(plain[kind])
+        assert counts.shape == (6, 2) and (want >= torch.stack(plain[kept])).all()
+        assert float((counts - want).abs().max()) <= 1, (kind, counts, want)

@@ -124,3 +124,22 @@ def test_a_model_by_name_is_served_and_switches_task(llm_graph, smollm2, smollm2
     resp = g.call(ReloadBase, 'reload_base', ReloadBase.Request(task='qa'), timeout=120.0)
     assert resp.success and resp.active_task == 'qa', resp.message
     assert 0 < resp.bytes_read < rt.bytes_read and resp.neurons_read > 0
+
+
+def test_per_token_selection_is_served_and_reports_the_share_computed(llm_graph, embedded_ready):
+    """`compute_mode: token` with the shipped (calibrated) profiles: a goal is answered through the
+    decode kernel choosing its neurons per token, and the diagnostics report the share of MLP
+    neurons the last goal computed per token; a goal asking for fewer computes fewer."""
+    from selectinfer_ros.ros.nodes import diagnostics as diag
+    g = llm_graph(model='', profiles='', weights='int8', task='qa', load_ratio=1.0,
+                  compute_ratio=0.7, static_ratio=0.3, compute_mode='token').ready(timeout=180.0)
+    rt = g.node.runtime
+    assert rt.selective.state.per_token and rt.engine.decode_path.endswith('int8 decode kernel')
+    shares = []
+    for phi in (0.0, 0.4):  # 0: the node's compute_ratio
+        run = g.run(g.goal('Question: What is the capital of France?\nAnswer:', max_new_tokens=8,
+                           compute_ratio=phi), timeout=120.0)
+        assert run.status == GoalStatus.STATUS_SUCCEEDED and run.result.text.strip()
+        thr = diag.as_dict(g.node.publish_diagnostics().status[1])
+        shares.append(float(thr['last_computed_share']))
+    assert 0.3 < shares[0] < 0.8 and 0.1 < shares[1] < shares[0], shares

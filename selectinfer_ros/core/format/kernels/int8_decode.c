@@ -39,7 +39,7 @@
 #endif
 
 #ifndef SI_ABI_VERSION
-#define SI_ABI_VERSION 6
+#define SI_ABI_VERSION 8
 #endif
 
 #if defined(SI_PLAIN)
@@ -526,7 +526,9 @@ int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const u
 /* The transposed product over 4-bit rows: y [H] = sum_{n < k} a[n] * dequant(row n), rows
    as above (w at stride ldw bytes, d at stride ldd float16s), for the blocks [b0, b1) of H
    (y's other blocks untouched). A 4-bit neuron record's down column is such a row: the down
-   product of the active prefix reads each active record's column once, in place.
+   product of the active prefix reads each active record's column once, in place (with a list
+   of rows, idx, the columns of the neurons a token kept: the groups below are then groups of 32
+   entries of the list).
 
    In integers, like the row products: the coefficients c[n, b] = a[n] * d[n, b] of a group of
    32 neurons (n = 32 g + i) are quantized per block b of H to int8 (cq[i, b], one float scale
@@ -546,16 +548,21 @@ int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const u
    prefetchers to follow from memory: while a group is read at block b, the next group's
    nibbles (a cache line per four blocks) and scales (a line per 32 blocks) at b are fetched. */
 static inline void prefetch_column(const uint8_t *w, const uint16_t *d, int64_t ldw, int64_t ldd,
-                                   int64_t n, int64_t k, int64_t b) {
+                                   const int32_t *idx, int64_t n, int64_t k, int64_t b) {
     if (n >= k) return;
-    if ((b & 3) == 0) __builtin_prefetch(w + n * ldw + b * 16);
-    if ((b & 31) == 0) __builtin_prefetch(d + n * ldd + b);
+    int64_t r = idx ? idx[n] : n;
+    if ((b & 3) == 0) __builtin_prefetch(w + r * ldw + b * 16);
+    if ((b & 31) == 0) __builtin_prefetch(d + r * ldd + b);
 }
 
-/* The coefficients of neurons [g0, g0 + G) for blocks [bc, bc + nbc): cq [G, DB] int16 (row i:
-   neuron g0 + i, column b - bc), s [nbc] the scales, cs [nbc] the sums over i of cq. */
-static void down_coeffs(const float *a, const uint16_t *d, int64_t ldd, int64_t g0, int64_t G,
-                        int64_t bc, int64_t nbc, int16_t *cq, float *s, int32_t *cs) {
+/* The coefficients of neurons [g0, g0 + G) of the list for blocks [bc, bc + nbc): cq [G, DB]
+   int16 (row i: list entry g0 + i, column b - bc), s [nbc] the scales, cs [nbc] the sums over i
+   of cq. List entry j is a[j] times the scales of row idx[j] of d (idx NULL: row j). */
+static void down_coeffs(const float *a, const uint16_t *d, int64_t ldd, const int32_t *idx,
+                        int64_t g0, int64_t G, int64_t bc, int64_t nbc, int16_t *cq, float *s,
+                        int32_t *cs) {
+    const uint16_t *dr[DG]; /* the group's scale rows, from block bc */
+    for (int64_t i = 0; i < G; i++) dr[i] = d + (idx ? idx[g0 + i] : g0 + i) * ldd + bc;
     int64_t b = 0;
 #if defined(SI_AVX2) || defined(SI_AVX512)
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -564,7 +571,7 @@ static void down_coeffs(const float *a, const uint16_t *d, int64_t ldd, int64_t 
         for (int64_t i = 0; i < G; i++) {
             __m256 c = _mm256_mul_ps(
                 _mm256_set1_ps(a[g0 + i]),
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + (g0 + i) * ldd + bc + b))));
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr[i] + b))));
             mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, c));
         }
         __m256 sc = _mm256_div_ps(mx, _mm256_set1_ps(127.0f));
@@ -575,7 +582,7 @@ static void down_coeffs(const float *a, const uint16_t *d, int64_t ldd, int64_t 
         for (int64_t i = 0; i < G; i++) {
             __m256 c = _mm256_mul_ps(
                 _mm256_set1_ps(a[g0 + i]),
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + (g0 + i) * ldd + bc + b))));
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dr[i] + b))));
             __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(c, inv)); /* nearest, ties to even */
             sum = _mm256_add_epi32(sum, q);
             _mm_storeu_si128((__m128i *)(cq + i * DB + b),
@@ -588,13 +595,13 @@ static void down_coeffs(const float *a, const uint16_t *d, int64_t ldd, int64_t 
     for (; b < nbc; b++) {
         float mx = 0.0f;
         for (int64_t i = 0; i < G; i++) {
-            float c = fabsf(a[g0 + i] * half_to_float(d[(g0 + i) * ldd + bc + b]));
+            float c = fabsf(a[g0 + i] * half_to_float(dr[i][b]));
             mx = c > mx ? c : mx;
         }
         float sc = mx / 127.0f, inv = sc > 0.0f ? 1.0f / sc : 0.0f;
         int32_t sum = 0;
         for (int64_t i = 0; i < G; i++) {
-            int32_t q = (int32_t)lrintf(a[g0 + i] * half_to_float(d[(g0 + i) * ldd + bc + b]) * inv);
+            int32_t q = (int32_t)lrintf(a[g0 + i] * half_to_float(dr[i][b]) * inv);
             cq[i * DB + b] = (int16_t)q;
             sum += q;
         }
@@ -603,17 +610,22 @@ static void down_coeffs(const float *a, const uint16_t *d, int64_t ldd, int64_t 
     }
 }
 
-static void axpy_q4_part(const float *a, int64_t k, const uint8_t *w, const uint16_t *d,
-                         int64_t ldw, int64_t ldd, float *y, int64_t b0, int64_t b1) {
+/* y = sum over the list j < k of a[j] * row idx[j] (idx NULL: rows 0..k-1, the active prefix;
+   else the neurons a token kept, read in place), blocks [b0, b1) of y. */
+static void axpy_q4_part(const float *a, int64_t k, const int32_t *idx, const uint8_t *w,
+                         const uint16_t *d, int64_t ldw, int64_t ldd, float *y, int64_t b0,
+                         int64_t b1) {
     int16_t cq[DG * DB];
     float s[DB];
     int32_t cs[DB];
+    const uint8_t *wr[DG]; /* the group's rows */
     for (int64_t i = b0 * QK; i < b1 * QK; i++) y[i] = 0.0f;
     for (int64_t bc = b0; bc < b1; bc += DB) {
         int64_t nbc = b1 - bc < DB ? b1 - bc : DB;
         for (int64_t g0 = 0; g0 < k; g0 += DG) {
             int64_t G = k - g0 < DG ? k - g0 : DG;
-            down_coeffs(a, d, ldd, g0, G, bc, nbc, cq, s, cs);
+            for (int64_t i = 0; i < G; i++) wr[i] = w + (idx ? idx[g0 + i] : g0 + i) * ldw;
+            down_coeffs(a, d, ldd, idx, g0, G, bc, nbc, cq, s, cs);
             for (int64_t b = bc; b < bc + nbc; b++) {
                 float *yb = y + b * QK;
                 const int16_t *cb = cq + (b - bc);
@@ -621,8 +633,8 @@ static void axpy_q4_part(const float *a, int64_t k, const uint8_t *w, const uint
                 const __m256i low = _mm256_set1_epi16(0x0F);
                 __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
                 for (int64_t i = 0; i < G; i++) {
-                    const uint8_t *wn = w + (g0 + i) * ldw + b * 16;
-                    prefetch_column(w, d, ldw, ldd, g0 + i + DG, k, b);
+                    const uint8_t *wn = wr[i] + b * 16;
+                    prefetch_column(w, d, ldw, ldd, idx, g0 + i + DG, k, b);
                     __m256i r = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)wn));
                     __m256i c = _mm256_set1_epi16(cb[i * DB]);
                     lo = _mm256_add_epi16(lo, _mm256_mullo_epi16(_mm256_and_si256(r, low), c));
@@ -645,8 +657,8 @@ static void axpy_q4_part(const float *a, int64_t k, const uint8_t *w, const uint
                 int16x8_t acc[4] = {vdupq_n_s16(0), vdupq_n_s16(0), vdupq_n_s16(0),
                                     vdupq_n_s16(0)};
                 for (int64_t i = 0; i < G; i++) {
-                    const uint8_t *wn = w + (g0 + i) * ldw + b * 16;
-                    prefetch_column(w, d, ldw, ldd, g0 + i + DG, k, b);
+                    const uint8_t *wn = wr[i] + b * 16;
+                    prefetch_column(w, d, ldw, ldd, idx, g0 + i + DG, k, b);
                     uint8x16_t raw = vld1q_u8(wn);
                     int8x16_t lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(raw, low)), eight);
                     int8x16_t hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(raw, 4)), eight);
@@ -666,7 +678,7 @@ static void axpy_q4_part(const float *a, int64_t k, const uint8_t *w, const uint
 #else
                 int32_t acc[QK] = {0};
                 for (int64_t i = 0; i < G; i++) {
-                    const uint8_t *wn = w + (g0 + i) * ldw + b * 16;
+                    const uint8_t *wn = wr[i] + b * 16;
                     int32_t c = cb[i * DB];
                     for (int j = 0; j < 16; j++) {
                         acc[j] += ((int32_t)(wn[j] & 15) - 8) * c;
@@ -690,7 +702,8 @@ int si_axpy_q4(const float *a, int64_t M, int64_t k, const uint8_t *w, const uin
     {
         int64_t b0, b1;
         share(H / QK, team_id(), team_size(), &b0, &b1);
-        for (int64_t m = 0; m < M; m++) axpy_q4_part(a + m * k, k, w, d, ldw, ldd, y + m * H, b0, b1);
+        for (int64_t m = 0; m < M; m++)
+            axpy_q4_part(a + m * k, k, NULL, w, d, ldw, ldd, y + m * H, b0, b1);
     }
     return 0;
 }
@@ -707,6 +720,17 @@ int si_axpy_q4(const float *a, int64_t M, int64_t k, const uint8_t *w, const uin
    down_scale, y = Down[:, :n_active] a; x += post_norm(y).
    A 4-bit model (pack --weights q4): the projections may be 4-bit rows (si_mat.d) and the
    neuron slots 4-bit records (si_layer.rec, mlp_step_q4); the steps are the same.
+
+   Per-token selection (si_layer.token, mlp_step_token / mlp_step_q4_token): instead of an
+   active prefix, every slot n < n_active is a candidate when |act(gate_n . h)| >= gate_thr;
+   a candidate's up row is read, and it is kept when |a_n| = |act(gate_n) * up_n| >= act_thr;
+   y = sum over the kept of a_n * down_n (int8: times down_scale[n]). The members choose over
+   their shares of the slots, then the kept list (slot order) is compacted and the down product
+   reads the kept neurons' down columns in place: int8 slots hold down neuron-major (a kept
+   column is one contiguous row, y summed in float, each member over its range of H), 4-bit
+   records the column as they are (the integer down product of axpy_q4_part over the list).
+   Each member counts its kept slots and its candidates (si_model.cnt, .cand); one adds the
+   layer's totals to *si_layer.kept and *si_layer.candidates (where set) once per call.
 
    Norms: out = x / sqrt(mean(x^2) + eps) * w, with w the effective float32 weight (Gemma 3:
    1 + weight, computed by the caller). Rotary: out = x * cos + roll(x, hd / 2) * sin, with
@@ -743,6 +767,12 @@ typedef struct {
        their float16 block scales (H / 32 each); the active prefix is read in place */
     const uint8_t *rec;
     int64_t rec_ld;
+    int64_t token; /* 1: per-token selection over all n_active slots (int8: down neuron-major
+                      [n_active, H] at row stride down_ld) */
+    float gate_thr, act_thr; /* token: |act(gate)| a candidate clears, |act(gate) * up| a kept
+                                neuron clears (0: every slot) */
+    int64_t *kept;           /* NULL, or += neurons computed (kept) per call (token) */
+    int64_t *candidates;     /* NULL, or += candidates (up row read) per call (token) */
 } si_layer;
 
 typedef struct {
@@ -757,6 +787,12 @@ typedef struct {
     int8_t *xq;
     float *xd;
     int32_t *xs;
+    /* per-token selection: idx [2*max_k]: the kept slots, each member's from its first slot n0
+       on (its values at the same place in a), then from max_k on the kept list compacted (its
+       values in gu); cnt [teams + 1]: member t's count of kept slots at t; cand [teams]:
+       member t's count of candidates (up row read) at t */
+    int32_t *idx;
+    int64_t *cnt, *cand;
 } si_model;
 
 int si_abi(int64_t *sizes, int n) {
@@ -967,10 +1003,163 @@ static void mlp_step_q4(const si_model *m, const si_layer *L, float *x, int t, i
     barrier();
     int64_t b0, b1;
     share(nb, t, nt, &b0, &b1);
-    axpy_q4_part(a, k, L->rec + H, (const uint16_t *)(L->rec + 3 * H / 2) + 2 * nb, R, R / 2, h,
-                 b0, b1);
+    axpy_q4_part(a, k, NULL, L->rec + H, (const uint16_t *)(L->rec + 3 * H / 2) + 2 * nb, R, R / 2,
+                 h, b0, b1);
     barrier();
     if (t == 0) {
+        if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, H, m->eps, h);
+        for (int64_t i = 0; i < H; i++) x[i] += h[i];
+    }
+    barrier();
+}
+
+/* Per-token selection, after every member t has put its cnt[t] kept slots and their values from
+   its first slot n0 on (m->idx, m->a) and a barrier: member t copies them to their place in the
+   compacted list (m->idx + max_k, values m->gu; slot order). Returns the list's length; a
+   barrier must follow before the list is read. */
+static int64_t compact_kept(const si_model *m, int64_t n0, int t, int nt) {
+    int64_t off = 0, total = 0;
+    for (int s = 0; s < nt; s++) {
+        off += s < t ? m->cnt[s] : 0;
+        total += m->cnt[s];
+    }
+    int64_t c = m->cnt[t];
+    memcpy(m->idx + m->max_k + off, m->idx + n0, (size_t)c * sizeof(int32_t));
+    memcpy(m->gu + off, m->a + n0, (size_t)c * sizeof(float));
+    return total;
+}
+
+/* The candidates of all nt members (m->cand, after the barrier that follows their counts). */
+static int64_t sum_candidates(const si_model *m, int nt) {
+    int64_t total = 0;
+    for (int s = 0; s < nt; s++) total += m->cand[s];
+    return total;
+}
+
+#define DOWN_AHEAD 8 /* kept neurons ahead whose down row slices are prefetched */
+
+/* y [i0, i1) = sum over the list j < k of v[j] * down row idx[j] (int8, row stride ld), in
+   float: four rows at a time, the output range as the inner loop (vectorized by the compiler:
+   int8 to float and multiply-adds over y's range), each row's slice read as one short stream. */
+static void down_rows_part(const int8_t *down, int64_t ld, const int32_t *idx, const float *v,
+                           int64_t k, float *y, int64_t i0, int64_t i1) {
+    int64_t len = i1 - i0;
+    float *restrict yo = y + i0;
+    for (int64_t i = 0; i < len; i++) yo[i] = 0.0f;
+    for (int64_t j = 0; j < k; j += 4) {
+        for (int64_t p = j + DOWN_AHEAD; p < j + DOWN_AHEAD + 4 && p < k && len > 0; p++) {
+            const int8_t *ahead = down + idx[p] * ld + i0;
+            for (int64_t o = 0; o < len; o += 64) __builtin_prefetch(ahead + o);
+            __builtin_prefetch(ahead + len - 1); /* a slice need not start on a cache line */
+        }
+        if (j + 4 <= k) {
+            const int8_t *restrict r0 = down + idx[j] * ld + i0;
+            const int8_t *restrict r1 = down + idx[j + 1] * ld + i0;
+            const int8_t *restrict r2 = down + idx[j + 2] * ld + i0;
+            const int8_t *restrict r3 = down + idx[j + 3] * ld + i0;
+            float v0 = v[j], v1 = v[j + 1], v2 = v[j + 2], v3 = v[j + 3];
+            for (int64_t i = 0; i < len; i++)
+                yo[i] += (v0 * (float)r0[i] + v1 * (float)r1[i]) +
+                         (v2 * (float)r2[i] + v3 * (float)r3[i]);
+        } else {
+            for (int64_t q = j; q < k; q++) {
+                const int8_t *restrict r = down + idx[q] * ld + i0;
+                float vq = v[q];
+                for (int64_t i = 0; i < len; i++) yo[i] += vq * (float)r[i];
+            }
+        }
+    }
+}
+
+/* The MLP with per-token selection over int8 slots (gate/up rows [n_active, 2, H], down
+   neuron-major [n_active, H] at row stride down_ld): members choose over their shares of the
+   slots, then split the down product by ranges of H (16 floats a unit). Same barriers as
+   mlp_step. */
+static void mlp_step_token(const si_model *m, const si_layer *L, float *x, int t, int nt) {
+    int64_t H = m->hidden, k = L->n_active;
+    float *h = m->h;
+    if (t == 0) rms_norm(x, L->pre_mlp_norm, H, m->eps, h);
+    barrier();
+    quantize_part(m, h, H, t, nt);
+    barrier();
+    int64_t n0, n1, c = 0, nc = 0; /* kept, candidates */
+    share(k, t, nt, &n0, &n1);
+    for (int64_t n = n0; n < n1; n++) {
+        float g, u;
+        rows_q(L->gu + 2 * n * H, H, H, L->gu_scale + 2 * n, m->xq, m->xd, h, &g, 0, 1);
+        g = act(g, m->act);
+        if (!(fabsf(g) >= L->gate_thr)) continue;
+        nc++;
+        rows_q(L->gu + (2 * n + 1) * H, H, H, L->gu_scale + 2 * n + 1, m->xq, m->xd, h, &u, 0, 1);
+        float a = g * u;
+        if (!(fabsf(a) >= L->act_thr)) continue;
+        m->idx[n0 + c] = (int32_t)n;
+        m->a[n0 + c] = a * L->down_scale[n];
+        c++;
+    }
+    m->cnt[t] = c;
+    m->cand[t] = nc;
+    barrier();
+    int64_t kept = compact_kept(m, n0, t, nt);
+    barrier();
+    int64_t c0, c1;
+    share((H + 15) / 16, t, nt, &c0, &c1);
+    down_rows_part(L->down, L->down_ld, m->idx + m->max_k, m->gu, kept, h, c0 * 16,
+                   c1 * 16 < H ? c1 * 16 : H);
+    barrier();
+    if (t == 0) {
+        if (L->kept) *L->kept += kept;
+        if (L->candidates) *L->candidates += sum_candidates(m, nt);
+        if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, H, m->eps, h);
+        for (int64_t i = 0; i < H; i++) x[i] += h[i];
+    }
+    barrier();
+}
+
+/* The same over 4-bit records: gate and up rows as mlp_step_q4 reads them (up for the
+   candidates only), the down product of axpy_q4_part over the kept list, read in place. */
+static void mlp_step_q4_token(const si_model *m, const si_layer *L, float *x, int t, int nt) {
+    int64_t H = m->hidden, k = L->n_active, nb = H / QK, R = L->rec_ld;
+    float *h = m->h;
+    if (t == 0) rms_norm(x, L->pre_mlp_norm, H, m->eps, h);
+    barrier();
+    quantize_part_pairs(m, h, H, t, nt);
+    barrier();
+    int64_t n0, n1, c = 0, nc = 0; /* kept, candidates */
+    share(k, t, nt, &n0, &n1);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *r = L->rec + n * R;
+        const uint16_t *d = (const uint16_t *)(r + 3 * H / 2);
+        if (n + 2 < n1) { /* as mlp_step_q4: the next-but-one record's gate, up and scales */
+            const uint8_t *ahead = r + 2 * R;
+            for (int64_t o = 0; o < H; o += 64) __builtin_prefetch(ahead + o);
+            for (int64_t o = 0; o < H / 8; o += 64) __builtin_prefetch(ahead + 3 * H / 2 + o);
+        }
+        float g, u;
+        q4_row(r, d, nb, m->xq, m->xd, m->xs, &g);
+        g = act(g, m->act);
+        if (!(fabsf(g) >= L->gate_thr)) continue;
+        nc++;
+        q4_row(r + H / 2, d + nb, nb, m->xq, m->xd, m->xs, &u);
+        float a = g * u;
+        if (!(fabsf(a) >= L->act_thr)) continue;
+        m->idx[n0 + c] = (int32_t)n;
+        m->a[n0 + c] = a;
+        c++;
+    }
+    m->cnt[t] = c;
+    m->cand[t] = nc;
+    barrier();
+    int64_t kept = compact_kept(m, n0, t, nt);
+    barrier();
+    int64_t b0, b1;
+    share(nb, t, nt, &b0, &b1);
+    axpy_q4_part(m->gu, kept, m->idx + m->max_k, L->rec + H,
+                 (const uint16_t *)(L->rec + 3 * H / 2) + 2 * nb, R, R / 2, h, b0, b1);
+    barrier();
+    if (t == 0) {
+        if (L->kept) *L->kept += kept;
+        if (L->candidates) *L->candidates += sum_candidates(m, nt);
         if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, H, m->eps, h);
         for (int64_t i = 0; i < H; i++) x[i] += h[i];
     }
@@ -998,10 +1187,11 @@ int si_decode_layers(const si_model *m, const si_layer *layers, int64_t n_layers
             double t0 = timing && t == 0 ? now() : 0.0;
             attention_step(m, &layers[l], x, pos, t, nt);
             double t1 = timing && t == 0 ? now() : 0.0;
-            if (layers[l].rec)
-                mlp_step_q4(m, &layers[l], x, t, nt);
+            const si_layer *L = &layers[l];
+            if (L->rec)
+                (L->token ? mlp_step_q4_token : mlp_step_q4)(m, L, x, t, nt);
             else
-                mlp_step(m, &layers[l], x, t, nt);
+                (L->token ? mlp_step_token : mlp_step)(m, L, x, t, nt);
             if (timing && t == 0) {
                 timing[0] += t1 - t0;
                 timing[1] += now() - t1;
