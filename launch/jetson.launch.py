@@ -53,6 +53,8 @@ ARGUMENTS = (
     ('task', '', 'initial task profile (params_file value if empty; there, empty = general)'),
     ('load_ratio', '', 'gamma: share of MLP neurons resident (params_file value if empty)'),
     ('compute_ratio', '', 'phi: share of neurons computed per token (params_file value if empty)'),
+    ('compute_mode', '', 'prompt or token: phi\'s neurons chosen at the prompt, or per token by '
+                         'calibrated thresholds (params_file value if empty)'),
     ('device', '', 'cpu, cuda or cuda:N (params_file value if empty)'),
     ('dtype', '', 'float32, float16 or bfloat16 (params_file value if empty; float32 when '
                   'device:=cpu)'),
@@ -70,7 +72,7 @@ def _overrides(context):
         return LaunchConfiguration(name).perform(context).strip()
 
     out = {}
-    for name in ('model', 'weights', 'task', 'device', 'dtype'):
+    for name in ('model', 'weights', 'task', 'compute_mode', 'device', 'dtype'):
         if arg(name):
             out[name] = arg(name)
     for name in ('load_ratio', 'compute_ratio'):

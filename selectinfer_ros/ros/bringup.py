@@ -149,7 +149,8 @@ class Bringup:
         self.shutdown()
 
 
-OPTIONS = ("model", "weights", "task", "load_ratio", "compute_ratio", "device", "dtype")  # as the launch's
+OPTIONS = ("model", "weights", "task", "load_ratio", "compute_ratio", "compute_mode", "device",
+           "dtype")  # as the launch's
 
 
 def overrides_from_args(args) -> dict:

@@ -50,7 +50,8 @@ class MeasuredFrontier:
                                     float(r["compute_ratio"]), float(r["agreement"]),
                                     int(r.get("tokens", 0)), float(r["decode_tokens_per_second"]),
                                     int(r.get("threads", 1)), str(r.get("cpu", "")))
-                      for r in rows if r.get("source") == "selectinfer"]
+                      for r in rows if r.get("source") == "selectinfer"
+                      and r.get("compute_mode", "prompt") == "prompt"]  # the curves' own mode
             models = {r.get("model") for r in rows if r.get("source") == "selectinfer"}
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}: not a `selectinfer frontier` file ({e})") from e

@@ -1,6 +1,8 @@
 """Runtime: options as the nodes and the CLI give them (memory budget, defaults)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from selectinfer_ros.core.options import ModelOptions, ParamError, from_values
@@ -138,7 +140,14 @@ def test_memory_budget_on_the_embedded_model_chooses_records_from_its_measured_f
     (the int8 embedding is 160 MiB), so the 4-bit output table's records (int8-q4emb, 186 MiB
     with every neuron) run; the log names the frontier's gap and measured speed."""
     from selectinfer_ros.core.serving.measured import MeasuredFrontier
-    assert MeasuredFrontier.load(embedded_profiles, "gemma3-270m") is not None  # shipped
+    measured = MeasuredFrontier.load(embedded_profiles, "gemma3-270m")  # shipped
+    assert measured is not None
+    # the per-token rows (compute_mode token) do not stand in for the prompt mode's points
+    rows = json.loads((embedded_profiles / "frontier.json").read_text())
+    token = [r for r in rows if r.get("compute_mode") == "token"]
+    assert token and len(measured.points) == sum(r["source"] == "selectinfer" for r in rows) - len(token)
+    assert measured.nearest("int8", 1.0, 0.7).agreement == next(
+        r["agreement"] for r in rows if r["name"] == "selectinfer int8 1/0.7")
     logs: list[str] = []
     rt = Runtime(ModelOptions(memory_budget_mb=200, profiles=str(embedded_profiles)),
                  log=logs.append)

@@ -257,7 +257,8 @@ def test_launch_file_declares_the_arguments_and_chains_both_lifecycles():
     args = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                 and getattr(n.targets[0], 'id', '') == 'ARGUMENTS')
     assert {a[0] for a in args} == {'namespace', 'params_file', 'model', 'weights', 'task',
-                                    'load_ratio', 'compute_ratio', 'device', 'dtype'}
+                                    'load_ratio', 'compute_ratio', 'compute_mode', 'device',
+                                    'dtype'}
     setup_py = (ROOT / 'setup.py').read_text()
     for exe in ('selectinfer_node = selectinfer_ros.ros.nodes.inference_node:main',
                 'profile_manager = selectinfer_ros.ros.nodes.profile_manager:main'):

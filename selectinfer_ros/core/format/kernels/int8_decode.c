@@ -82,6 +82,13 @@
 #ifndef PF
 #define PF 1024 /* bytes ahead of each weight row's read: the rows are short streams */
 #endif
+/* The prefetch PF bytes ahead of offset o of a row of nfull blocks: past the row's end it goes
+   on at the next row read, ldw bytes after this one's start (a prefix of wider rows: the active
+   columns of the down projection; per-token selection: the next gate row, 2H on, not the up
+   row in between), not into the bytes between. */
+#define PF_SKIP(ldw, nfull) ((ldw) > (nfull) * QK ? (ldw) - (nfull) * QK : 0)
+#define PF_AT(w, o, nfull, skip) \
+    ((w) + (o) + PF + ((o) + PF >= (nfull) * QK ? (skip) : 0))
 
 /* x [K] blocks [b0, b1) -> xq (zero padded to whole blocks), xd block scales, xs (NULL: not
    wanted) the blocks' sums of xq (the 4-bit products take 8 * xs off, see q4_row). */
@@ -136,7 +143,8 @@ static void pair_blocks(int8_t *xq, int64_t b0, int64_t b1, int64_t nb) {
 }
 
 /* dot1(w, ldw, nfull, xq, xd, out): *out = sum over the nfull full blocks b of
-   xd[b] * sum_{k in b} w[k] * xq[k] (DOT_ROWS(R) would take R rows at stride ldw). */
+   xd[b] * sum_{k in b} w[k] * xq[k] (DOT_ROWS(R) would take R rows at stride ldw); ldw also
+   says where the next row read starts, for the read-ahead (PF_AT). */
 #if defined(SI_AVX2) || defined(SI_AVX512)
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -173,13 +181,13 @@ static inline __m256i blk256(__m256i ax, __m256i xv, __m256i wv) {
    chain are an eighth of a multiply-add per block (as q4_row does). */
 static inline void dot1(const int8_t *w, int64_t ldw, int64_t nfull, const int8_t *xq,
                         const float *xd, float *out) {
-    (void)ldw;
+    const int64_t skip = PF_SKIP(ldw, nfull);
     __m256 acc = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 8 <= nfull; b += 8) {
         __m256i p[8];
         for (int j = 0; j < 8; j++) {
-            _mm_prefetch((const char *)(w + (b + j) * QK + PF), _MM_HINT_T0);
+            _mm_prefetch((const char *)PF_AT(w, (b + j) * QK, nfull, skip), _MM_HINT_T0);
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (b + j) * QK));
             __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (b + j) * QK));
             p[j] = blk256(_mm256_sign_epi8(xv, xv), xv, wv);
@@ -226,6 +234,7 @@ static inline __m512i blk512(__m512i ax, __mmask64 neg, __m512i wv) {
                               const float *xd, float *out) {                                  \
         __m512 acc[R];                                                                        \
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                             \
+        const int64_t skip = PF_SKIP(ldw, nfull);                                             \
         int64_t b = 0;                                                                        \
         for (; b + 2 <= nfull; b += 2) {                                                      \
             __m512i xv = _mm512_loadu_si512((const void *)(xq + b * QK));                     \
@@ -234,7 +243,7 @@ static inline __m512i blk512(__m512i ax, __mmask64 neg, __m512i wv) {
             __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(xd[b]),                    \
                                             _mm512_set1_ps(xd[b + 1]));                       \
             for (int r = 0; r < R; r++) {                                                     \
-                _mm_prefetch((const char *)(w + r * ldw + b * QK + PF), _MM_HINT_T0);        \
+                _mm_prefetch((const char *)PF_AT(w + r * ldw, b * QK, nfull, skip), _MM_HINT_T0); \
                 __m512i wv = _mm512_loadu_si512((const void *)(w + r * ldw + b * QK));        \
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(blk512(ax, neg, wv)), d, acc[r]); \
             }                                                                                 \
@@ -258,11 +267,12 @@ DOT_ROWS(1)
                               const float *xd, float *out) {                                  \
         float32x4_t acc[R];                                                                   \
         for (int r = 0; r < R; r++) acc[r] = vdupq_n_f32(0.0f);                               \
+        const int64_t skip = PF_SKIP(ldw, nfull);                                             \
         for (int64_t b = 0; b < nfull; b++) {                                                 \
             int8x16_t x0 = vld1q_s8(xq + b * QK), x1 = vld1q_s8(xq + b * QK + 16);            \
             for (int r = 0; r < R; r++) {                                                     \
                 const int8_t *wr = w + r * ldw + b * QK;                                      \
-                __builtin_prefetch(wr + PF);                                                  \
+                __builtin_prefetch(PF_AT(w + r * ldw, b * QK, nfull, skip));                  \
                 int32x4_t p = vdotq_s32(vdupq_n_s32(0), vld1q_s8(wr), x0);                    \
                 p = vdotq_s32(p, vld1q_s8(wr + 16), x1);                                      \
                 acc[r] = vfmaq_n_f32(acc[r], vcvtq_f32_s32(p), xd[b]);                        \
@@ -1086,7 +1096,8 @@ static void mlp_step_token(const si_model *m, const si_layer *L, float *x, int t
     share(k, t, nt, &n0, &n1);
     for (int64_t n = n0; n < n1; n++) {
         float g, u;
-        rows_q(L->gu + 2 * n * H, H, H, L->gu_scale + 2 * n, m->xq, m->xd, h, &g, 0, 1);
+        /* row stride 2H: the gate row's read-ahead goes on at the next gate row */
+        rows_q(L->gu + 2 * n * H, 2 * H, H, L->gu_scale + 2 * n, m->xq, m->xd, h, &g, 0, 1);
         g = act(g, m->act);
         if (!(fabsf(g) >= L->gate_thr)) continue;
         nc++;
@@ -1130,10 +1141,11 @@ static void mlp_step_q4_token(const si_model *m, const si_layer *L, float *x, in
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *r = L->rec + n * R;
         const uint16_t *d = (const uint16_t *)(r + 3 * H / 2);
-        if (n + 2 < n1) { /* as mlp_step_q4: the next-but-one record's gate, up and scales */
+        if (n + 2 < n1) { /* the next-but-one record's gate and its scales (its up row is
+                             read only if it is a candidate) */
             const uint8_t *ahead = r + 2 * R;
-            for (int64_t o = 0; o < H; o += 64) __builtin_prefetch(ahead + o);
-            for (int64_t o = 0; o < H / 8; o += 64) __builtin_prefetch(ahead + 3 * H / 2 + o);
+            for (int64_t o = 0; o < H / 2; o += 64) __builtin_prefetch(ahead + o);
+            for (int64_t o = 0; o < H / 16; o += 64) __builtin_prefetch(ahead + 3 * H / 2 + o);
         }
         float g, u;
         q4_row(r, d, nb, m->xq, m->xd, m->xs, &g);
