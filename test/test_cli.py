@@ -25,6 +25,21 @@ def test_generate_json_has_the_documented_keys(tiny_models, tiny_profiles):
     assert res["load_ratio"] == 0.7 and res["compute_ratio"] == 0.5 and res["task"] == "alpha"
 
 
+def test_generate_per_token_reports_the_share_computed(tiny_models, token_profiles):
+    """`--compute-mode token`: the JSON says which share of the MLP neurons each decode token
+    computed (measured); the prompt mode has no such key."""
+    _, packed = tiny_models["tiny-llama"]
+    common = ("generate", "--model", str(packed), "--profiles", str(token_profiles), "--task",
+              "alpha", "--compute-ratio", "0.5", "--static-ratio", "0.3", "--json",
+              "--max-new-tokens", "8", "w5 w6 w7")
+    token = _cli(*common, "--compute-mode", "token")
+    assert token.returncode == 0, token.stderr
+    assert 0.2 < json.loads(token.stdout)["computed_share"] < 0.7
+    prompt = _cli(*common)
+    assert prompt.returncode == 0, prompt.stderr
+    assert "computed_share" not in json.loads(prompt.stdout)
+
+
 def test_prompts_file_and_dense_give_one_line_per_prompt(tiny_models, tmp_path):
     _, packed = tiny_models["tiny-llama"]
     f = tmp_path / "p.jsonl"
