@@ -245,8 +245,6 @@ def choice_json(rt, res, prompt: str | None = None) -> dict:
            "prompt_tokens": res.prompt_tokens, "prefill_seconds": res.prefill_seconds,
            "seconds": res.seconds, "task": rt.task, "load_ratio": rt.load_ratio,
            "compute_ratio": rt.compute_ratio, "model_id": rt.model_id}
-    if m.computed_share >= 0:  # compute_mode token: the share of MLP neurons computed per token
-        out["computed_share"] = m.computed_share
     if prompt is not None:
         out["prompt"] = prompt
     return out
@@ -291,8 +289,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"{mark} {i}: {c!r} logprob {lp:.3f} (per token {nl:.3f})", file=sys.stderr)
         print(f"--\nprompt_tokens={res.prompt_tokens} prefill={res.prefill_seconds:.3f}s "
               f"total={res.seconds:.3f}s task={rt.task or '-'} gamma={rt.load_ratio} "
-              f"phi={rt.compute_ratio}" + (f" computed={m.computed_share:.3f} per token"
-                                           if m.computed_share >= 0 else ""), file=sys.stderr)
+              f"phi={rt.compute_ratio}", file=sys.stderr)
         return 0
     stream = None if args.json else (lambda s, n: print(s, end="", flush=True))
     res = rt.generate(_text(args, args.prompt), _gen_config(args), on_text=stream)
