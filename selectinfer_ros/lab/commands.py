@@ -17,6 +17,13 @@ GRID_HELP = ("gamma,phi pairs (load_ratio,compute_ratio), space-separated, e.g. 
              "--grid 1,1 0.7,0.5")
 
 
+
+def _compute_modes(p: argparse.ArgumentParser, token: str) -> None:
+    """``--compute-modes``: which computation modes' rows a command measures (one spelling for
+    bench, eval and frontier; ``token`` says what the per-token rows are there)."""
+    p.add_argument("--compute-modes", nargs="+", choices=COMPUTE_MODES, metavar="MODE",
+                   help=f"prompt (the published mode) and/or token ({token}); default: prompt")
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import cmd_bench as run
     return run(args)
@@ -59,9 +66,7 @@ def register(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens decoded (default 32)")
     p.add_argument("--grid", nargs="+", metavar="G,P",
                    help=f"{GRID_HELP} (default 1,1 0.9,0.7 0.7,0.7 0.7,0.5 0.5,0.35)")
-    p.add_argument("--compute-modes", nargs="+", choices=COMPUTE_MODES, metavar="MODE",
-                   help="prompt and/or token: the grid's points (phi < gamma) with per-token "
-                        "selection too; default: prompt")
+    _compute_modes(p, "the grid's points (phi < gamma) with per-token selection too")
     p.add_argument("--weights", nargs="+", choices=WEIGHTS, default=None,
                    help="SelectInfer rows over these `pack --weights` records (default: "
                         f"{' '.join(BENCH_WEIGHTS)}; --quick: float)")
@@ -84,9 +89,7 @@ def register(sub) -> None:
                    help=f"{GRID_HELP} (default 0.9,0.7 0.7,0.7 0.7,0.5 0.5,0.35)")
     p.add_argument("--strategies", help="comma list of selection strategies besides published")
     p.add_argument("--only", help="comma list of methods to run besides dense")
-    p.add_argument("--compute-modes", nargs="+", choices=COMPUTE_MODES, metavar="MODE",
-                   help="prompt (the published rows) and/or token (each grid point with per-token "
-                        "selection, method selectinfer-token); default: prompt")
+    _compute_modes(p, "each grid point with per-token selection too, method selectinfer-token")
     p.add_argument("--prose-task", default="summarization",
                    help="profile used for held-out prose (default 'summarization')")
     add_option(p, ModelOptions, "alpha")
@@ -141,9 +144,8 @@ def register(sub) -> None:
     p.add_argument("--gammas", nargs="+", type=float, metavar="G",
                    help="load ratios of ours, each with phi = gamma and 0.7 gamma "
                         "(default 1 0.9 0.8 0.7 0.6 0.5)")
-    p.add_argument("--compute-modes", nargs="+", choices=COMPUTE_MODES, metavar="MODE",
-                   help="prompt (phi = gamma and 0.7 gamma) and/or token (per-token selection at "
-                        "--token-shares; default: prompt)")
+    _compute_modes(p, "per-token rows at --token-shares beside the prompt mode's phi = gamma "
+                      "and 0.7 gamma")
     p.add_argument("--token-shares", nargs="+", type=float, metavar="S",
                    help="phi / gamma of the token rows (default 0.7 0.5)")
     p.add_argument("--merge", metavar="FRONTIER_JSON", help="keep this earlier run's rows (same "
