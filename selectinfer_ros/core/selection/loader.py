@@ -384,6 +384,7 @@ class SelectiveModel:
             raise ValueError("no profiles folder: cannot switch task")
         t0 = time.perf_counter()
         self.catalog.reload(task)
+        tables = self._token_tables(task) if self.state.per_token else None  # refused before any read
         sel = self._selection(task)
         with CountingReader(self.path / FFN_FILE) as r:
             staged = []
@@ -397,8 +398,7 @@ class SelectiveModel:
                       for layer, m in enumerate(self.mlps))
         for layer, (incoming, rec) in enumerate(staged):
             self._apply_layer(layer, sel.neurons[layer], sel.n_static[layer], incoming, rec)
-        if self.state.per_token:
-            self.token_tables = self._token_tables(task)
+        self.token_tables = tables
         self.task = task
         self.set_compute_ratio(self.compute_ratio)
         read = sum(inc.numel() for inc, _ in staged)

@@ -154,3 +154,21 @@ def test_stored_tables_are_checked_and_fused(calibrated, tmp_path):
     bad.save(d / "alpha.safetensors")
     with pytest.raises(FormatError, match="one of the two"):
         load_profile(d / "alpha.safetensors", m)
+
+
+def test_a_switch_to_a_task_without_thresholds_is_refused_and_changes_nothing(calibrated, tmp_path):
+    packed, packs, profiles = calibrated
+    d = tmp_path / "p"
+    shutil.copytree(profiles, d)
+    beta = load_profile(d / "alpha.safetensors", read_manifest(packed))
+    beta.task = "beta"
+    beta.scores = beta.scores.flip(-1)  # other neurons: a switch would read some
+    del beta.extra[token_rule.GATE_KEY], beta.extra[token_rule.ACT_KEY]
+    beta.save(d / "beta.safetensors")
+    sm = SelectiveModel(packs["int8"], d, "alpha", load_ratio=0.5, static_ratio=0.3,
+                        compute_mode="token")
+    before = [ids.clone() for ids in sm.loaded_neuron_ids()]
+    with pytest.raises(ValueError, match="'beta' has no per-token thresholds"):
+        sm.switch_task("beta")
+    assert sm.task == "alpha"
+    assert all(torch.equal(a, b) for a, b in zip(before, sm.loaded_neuron_ids()))
