@@ -308,8 +308,8 @@ def native_unsupported(d: Decoder) -> str | None:
             return "attention projection biases of an unexpected shape"
         if not isinstance(l.mlp, SelectiveMLP) or (l.mlp.gu_scale is None and l.mlp.rec is None):
             return "float neuron slots"
-        if l.mlp.state.per_token and l.mlp.rec is None and not l.mlp.down_rows:
-            return "per-token selection over int8 slots whose down projection is not neuron-major"
+        if l.mlp.state.per_token and l.mlp.rec is None and not l.mlp.token_layout:
+            return "per-token selection over int8 slots not laid out for it (token_layout)"
     if {l.input_norm.eps for l in d.layers} != {d.final_norm.eps}:
         return "norms with different eps"
     if int8.kernel() is None:
@@ -399,15 +399,21 @@ class NativeInt8Step:
                 if mlp.rec.stride(1) != 1 or H % 32:
                     raise ValueError(f"layer {i}: 4-bit records in an unexpected layout")
                 c.rec, c.rec_ld = mlp.rec.data_ptr(), mlp.rec.stride(0)
-                c.gu = c.gu_scale = c.down = c.down_scale = None
+                c.gu = c.gu_scale = c.up = c.up_scale = c.down = c.down_scale = None
                 c.down_ld = 0
             else:
                 c.gu, c.gu_scale = mlp.gu.data_ptr(), mlp.gu_scale.data_ptr()
                 c.down, c.down_scale = mlp.down.data_ptr(), mlp.down_scale.data_ptr()
-                # down [H, k] (the active prefix of each row), or neuron-major [k, H] (per token)
-                h_axis = 1 if mlp.down_rows else 0
-                if mlp.gu.stride() != (2 * H, H, 1) or mlp.down.stride(1) != 1 or \
-                        mlp.down.shape[h_axis] != H:
+                c.up = c.up_scale = None
+                # gu [k, 2, H], down [H, k] (the active prefix of each row); per token: gu
+                # planar [2, k, H] (gate rows, then up rows), down neuron-major [k, H]
+                k = mlp.n_loaded
+                if mlp.token_layout:
+                    c.up, c.up_scale = mlp.gu[1].data_ptr(), mlp.gu_scale[1].data_ptr()
+                gu_ok = (mlp.gu.stride() == ((k * H, H, 1) if mlp.token_layout else (2 * H, H, 1))
+                         and mlp.gu_scale.is_contiguous())
+                h_axis = 1 if mlp.token_layout else 0
+                if not gu_ok or mlp.down.stride(1) != 1 or mlp.down.shape[h_axis] != H:
                     raise ValueError(f"layer {i}: neuron slots in an unexpected layout")
                 c.down_ld = mlp.down.stride(0)
                 c.rec, c.rec_ld = None, 0
@@ -428,7 +434,7 @@ class NativeInt8Step:
         """The per-layer MLP fields: the active prefix (prompt mode; every loaded slot at a
         prefill), or per-token selection over every loaded slot with the layer's thresholds, its
         kept count added to ``state.kept[layer]`` and its candidates (up row read) to
-        ``state.candidates[layer]``. int8 slots whose down projection is neuron-major run the
+        ``state.candidates[layer]``. int8 slots laid out for per-token selection run the
         per-token path also where nothing is selected (thresholds 0, not counted: a one-token
         prompt's prefill in per-token mode)."""
         st = self.d.layers[0].mlp.state
@@ -441,7 +447,7 @@ class NativeInt8Step:
                                  "CPU tensor")
         for l, c in zip(self.d.layers, self.layers):
             mlp = l.mlp
-            c.token = int(token or (mlp.rec is None and mlp.down_rows))
+            c.token = int(token or (mlp.rec is None and mlp.token_layout))
             if token:
                 c.n_active = mlp.n_loaded
                 c.gate_thr, c.act_thr = float(mlp.gate_thr), float(mlp.act_thr)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_decode.c"
-ABI_VERSION = 8
+ABI_VERSION = 9
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
 # (name, cpuinfo flags it needs, compiler flags), best first, per machine
@@ -64,10 +64,14 @@ class LayerC(ctypes.Structure):
                 + [(n, Mat) for n in ("q", "k", "v", "o")]
                 + [(n, ctypes.c_void_p) for n in ("k_cache", "v_cache", "cos", "sin")]
                 + [("window", ctypes.c_int64)]
-                + [(n, ctypes.c_void_p) for n in ("gu", "gu_scale", "down", "down_scale")]
+                # gu, gu_scale: [n_loaded, 2, H], [n_loaded, 2]; token (int8): the gate rows and
+                # scales, up, up_scale the up rows and scales (planar), else None
+                + [(n, ctypes.c_void_p) for n in ("gu", "gu_scale", "up", "up_scale", "down",
+                                                  "down_scale")]
                 + [("down_ld", ctypes.c_int64), ("n_active", ctypes.c_int64),
                    ("rec", ctypes.c_void_p), ("rec_ld", ctypes.c_int64)]
-                # per-token selection: token 1 (int8: down neuron-major [n_active, H]), the two
+                # per-token selection: token 1 (int8: gate/up planar, down neuron-major [n_active,
+                # H]), the two
                 # thresholds, kept: int64 the kept neurons are added to, candidates: int64 the
                 # candidates (up row read) are added to (None: not counted)
                 + [("token", ctypes.c_int64), ("gate_thr", ctypes.c_float),

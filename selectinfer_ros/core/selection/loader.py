@@ -311,7 +311,7 @@ class SelectiveModel:
     def _empty_slots(self, k: int) -> Slots:
         m = self.manifest
         return Slots.empty(k, m.hidden_size, self.dtype, m.int8_ffn, self.device,
-                           m.record_bytes if m.q4_ffn else 0, down_rows=self.state.per_token)
+                           m.record_bytes if m.q4_ffn else 0, token_layout=self.state.per_token)
 
     def _load_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor, n_static: int) -> int:
         """Fill layer ``layer`` with neurons ``ids`` (slot order) read from disk. Returns records read."""

@@ -16,8 +16,10 @@ decode token computes the gate row of every loaded neuron, the up row of the can
 ``|act(gate)|`` clears the layer's gate threshold, and the down column of those whose
 ``|act(gate) * up|`` clears its activation threshold (CATS-like, with a second stage on the
 candidates). The thresholds come from the profile's calibration (:mod:`.token_rule`). int8
-slots then hold the down projection neuron-major (``down`` ``[k, H]``) so that the decode kernel
-reads a chosen neuron's down column as one contiguous row.
+slots are then laid out for it (``token_layout``): gate and up rows planar (``gu`` ``[2, k, H]``:
+the decode kernel's gate pass is one stream over ``gu[0]``, a candidate's up row is read where it
+lies in ``gu[1]``) and the down projection neuron-major (``down`` ``[k, H]``: a kept neuron's down
+column is one contiguous row).
 """
 from __future__ import annotations
 
@@ -54,8 +56,9 @@ def copy_index(dst: torch.Tensor, dim: int, idx: torch.Tensor, src: torch.Tensor
 @dataclass
 class Slots:
     """Storage of ``k`` neuron slots: ``gu`` ``[k, 2, H]``, ``down`` ``[H, k]`` (float, or int8 with
-    ``gu_scale`` ``[k, 2]`` and ``down_scale`` ``[k]`` float32; int8 ``down_rows``: ``down`` is
-    ``[k, H]``, neuron-major), or 4-bit records ``rec`` uint8 ``[k, record_bytes]`` as stored
+    ``gu_scale`` ``[k, 2]`` and ``down_scale`` ``[k]`` float32; int8 ``token_layout``, for
+    per-token selection: ``gu`` ``[2, k, H]`` and ``gu_scale`` ``[2, k]`` planar, ``down``
+    ``[k, H]`` neuron-major), or 4-bit records ``rec`` uint8 ``[k, record_bytes]`` as stored
     (:func:`..format.pack.q4_records`; no ``gu``, ``down``)."""
 
     gu: torch.Tensor | None
@@ -63,28 +66,34 @@ class Slots:
     gu_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
     rec: torch.Tensor | None = None
-    down_rows: bool = False  # int8 down neuron-major [k, H] (per-token selection)
+    token_layout: bool = False  # int8 gu planar [2, k, H], down neuron-major [k, H] (per token)
 
     @classmethod
     def empty(cls, k: int, hidden: int, dtype: torch.dtype, quantized: bool,
-              device: torch.device | str, record_bytes: int = 0, down_rows: bool = False) -> "Slots":
-        """``record_bytes`` > 0: slots of 4-bit records of that size; ``down_rows``: int8 down
-        neuron-major."""
+              device: torch.device | str, record_bytes: int = 0, token_layout: bool = False) -> "Slots":
+        """``record_bytes`` > 0: slots of 4-bit records of that size; ``token_layout``: int8 slots
+        laid out for per-token selection."""
         if record_bytes:
             return cls(None, None, rec=torch.empty(k, record_bytes, dtype=torch.uint8, device=device))
         if not quantized:
             return cls(torch.empty(k, 2, hidden, dtype=dtype, device=device),
                        torch.empty(hidden, k, dtype=dtype, device=device))
-        down = (torch.empty(k, hidden, dtype=torch.int8, device=device) if down_rows
-                else torch.empty(hidden, k, dtype=torch.int8, device=device))
-        return cls(torch.empty(k, 2, hidden, dtype=torch.int8, device=device), down,
-                   torch.empty(k, 2, dtype=torch.float32, device=device),
-                   torch.empty(k, dtype=torch.float32, device=device), down_rows=down_rows)
+        i8, f32 = dict(dtype=torch.int8, device=device), dict(dtype=torch.float32, device=device)
+        if token_layout:
+            return cls(torch.empty(2, k, hidden, **i8), torch.empty(k, hidden, **i8),
+                       torch.empty(2, k, **f32), torch.empty(k, **f32), token_layout=True)
+        return cls(torch.empty(k, 2, hidden, **i8), torch.empty(hidden, k, **i8),
+                   torch.empty(k, 2, **f32), torch.empty(k, **f32))
 
     @property
     def down_dim(self) -> int:
         """The axis of ``down`` that runs over slots."""
-        return 0 if self.down_rows else 1
+        return 0 if self.token_layout else 1
+
+    @property
+    def gu_dim(self) -> int:
+        """The axis of ``gu`` and ``gu_scale`` that runs over slots."""
+        return 1 if self.token_layout else 0
 
     @property
     def quantized(self) -> bool:
@@ -97,11 +106,14 @@ class Slots:
         if self.rec is not None:
             copy_index(self.rec, 0, dst, vals.contiguous(), every)
             return
-        copy_index(self.gu, 0, dst, vals[:, :2].to(self.gu.dtype).contiguous(), every)
-        down = vals[:, 2] if self.down_rows else vals[:, 2].t()
+        gu, gu_scale = vals[:, :2], None if scales is None else scales[:, :2]  # [n, 2, H], [n, 2]
+        down = vals[:, 2] if self.token_layout else vals[:, 2].t()
+        if self.token_layout:
+            gu, gu_scale = gu.transpose(0, 1), gu_scale.t()  # planar [2, n, H], [2, n]
+        copy_index(self.gu, self.gu_dim, dst, gu.to(self.gu.dtype).contiguous(), every)
         copy_index(self.down, self.down_dim, dst, down.to(self.down.dtype).contiguous(), every)
         if self.quantized:
-            copy_index(self.gu_scale, 0, dst, scales[:, :2].contiguous(), every)
+            copy_index(self.gu_scale, self.gu_dim, dst, gu_scale.contiguous(), every)
             copy_index(self.down_scale, 0, dst, scales[:, 2].contiguous(), every)
 
     def copy(self, dst: torch.Tensor, other: "Slots", src: torch.Tensor) -> None:
@@ -109,10 +121,10 @@ class Slots:
         if self.rec is not None:
             copy_index(self.rec, 0, dst, other.rec, src)
             return
-        copy_index(self.gu, 0, dst, other.gu, src)
+        copy_index(self.gu, self.gu_dim, dst, other.gu, src)
         copy_index(self.down, self.down_dim, dst, other.down, src)
         if self.quantized:
-            copy_index(self.gu_scale, 0, dst, other.gu_scale, src)
+            copy_index(self.gu_scale, self.gu_dim, dst, other.gu_scale, src)
             copy_index(self.down_scale, 0, dst, other.down_scale, src)
 
     def nbytes(self) -> int:
@@ -160,13 +172,13 @@ class SelectiveMLP(nn.Module):
         self.register_buffer("down_scale", None)  # [k] float32, int8 slots only
         self.register_buffer("rec", None)  # [k, record_bytes] uint8, 4-bit records only
         self.register_buffer("slot_ids", torch.empty(0, dtype=torch.long, device=device))  # [k]
-        self.down_rows = False  # int8 ``down`` neuron-major [k, H] (per-token selection)
+        self.token_layout = False  # int8 ``gu`` [2, k, H], ``down`` [k, H] (per-token selection)
         self.gate_thr = 0.0  # per-token mode: |act(gate)| a candidate clears
         self.act_thr = 0.0  # per-token mode: |act(gate) * up| a computed neuron clears
 
     @property
     def slots(self) -> Slots:
-        return Slots(self.gu, self.down, self.gu_scale, self.down_scale, self.rec, self.down_rows)
+        return Slots(self.gu, self.down, self.gu_scale, self.down_scale, self.rec, self.token_layout)
 
     @property
     def n_loaded(self) -> int:
@@ -177,7 +189,7 @@ class SelectiveMLP(nn.Module):
         self.gu, self.down = slots.gu, slots.down
         self.gu_scale, self.down_scale = slots.gu_scale, slots.down_scale
         self.rec = slots.rec
-        self.down_rows = slots.down_rows
+        self.token_layout = slots.token_layout
         self.slot_ids = slot_ids
         self.n_static = n_static
         self.n_active = slot_ids.numel()
@@ -188,16 +200,21 @@ class SelectiveMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, H]
         per_token = self.state.per_token and not self.state.prefill  # dense layers: thresholds 0
-        k = self.n_loaded if self.state.prefill or per_token else self.n_active
+        k = self.n_loaded if self.state.prefill or per_token or self.token_layout else self.n_active
         if self.rec is not None:  # 4-bit records: the active prefix, read in place
             out = q4.records_linear(x, self.rec[:k], self.hidden)  # [B, T, k, 2]
         else:
-            gu = self.gu[:k].view(2 * k, self.hidden)
+            # [2k, H]: rows of neurons' gate and up (token_layout: every gate row, then every up
+            # row; k is then every loaded slot)
+            gu = self.gu.reshape(2 * k, self.hidden) if self.token_layout else \
+                self.gu[:k].view(2 * k, self.hidden)
             if self.gu_scale is not None:  # int8 slots
-                out = int8.linear(x, gu, self.gu_scale[:k].view(2 * k))  # [B, T, 2k]
+                out = int8.linear(x, gu, self.gu_scale.reshape(2 * k) if self.token_layout
+                                  else self.gu_scale[:k].view(2 * k))  # [B, T, 2k]
             else:
                 out = nn.functional.linear(x, gu)  # [B, T, 2k]
-            out = out.view(*x.shape[:-1], k, 2)
+            out = (out.view(*x.shape[:-1], 2, k).transpose(-1, -2) if self.token_layout
+                   else out.view(*x.shape[:-1], k, 2))
         g = self.act_fn(out[..., 0].contiguous())  # [B, T, k]; strided GELU: 6x slower
         h = g * out[..., 1]  # [B, T, k]
         if per_token:  # the torch path computes every row and zeroes the neurons not kept
@@ -223,7 +240,7 @@ class SelectiveMLP(nn.Module):
         if self.down_scale is None:
             return nn.functional.linear(h, self.down[:, :k])
         h = h * self.down_scale[:k].to(h.dtype)  # the down column scales fold into the activations
-        if not self.down_rows:
+        if not self.token_layout:
             return int8.linear(h, self.down[:, :k], None)
         y = None  # neuron-major rows [k, H]: float products over chunks of neurons
         for c in range(0, k, _CHUNK):

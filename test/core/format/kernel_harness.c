@@ -9,8 +9,8 @@
      int8 model (2 layers, GQA, q/k norms, q/k/v biases, a sliding window, a partial active
      prefix),
    - "decode4 <pos> <values...>": the same for a 4-bit model (4-bit projections and records),
-   - "decodet <pos> <values...>" and "decode4t <pos> <values...>": the int8 model (its down
-     projection neuron-major) and the 4-bit model with per-token selection (si_layer.token,
+   - "decodet <pos> <values...>" and "decode4t <pos> <values...>": the int8 model (gate and up
+     rows planar, its down projection neuron-major) and the 4-bit model with per-token selection (si_layer.token,
      thresholds that keep about half of the slots), each followed by
      "keptt <pos> <layer 0 and 1 counts>" / "kept4t <pos> <counts>": the neurons kept, and
      with the argument "candidates" (test_kernel.py) then "candt <pos> <counts>" /
@@ -22,9 +22,11 @@
 
 /* per-token thresholds (|act(gate)|, |act(gate) * up|) of the harness's int8 and 4-bit models:
    each keeps about 35 of the 80 active slots per layer and token (4-bit: more than one group
-   of 32 in the down product) */
+   of 32 in the down product); the int8 model's layer 0 (_FEW) about 28 of 30 candidates */
 #define TOKEN_GATE_THR 0.1f
 #define TOKEN_ACT_THR 1.0f
+#define TOKEN_GATE_THR_FEW 1.6f
+#define TOKEN_ACT_THR_FEW 1.0f
 #define TOKEN4_GATE_THR 0.2f
 #define TOKEN4_ACT_THR 0.05f
 
@@ -179,9 +181,13 @@ int main(int argc, char **argv) {
         si_layer *ly = &layers[l];
         ly->down = qrows(loaded * H); /* neuron-major [loaded, H] */
         ly->down_ld = H;
+        ly->up = ly->gu + loaded * H; /* planar: gate rows [loaded, H], then up rows */
+        ly->up_scale = ly->gu_scale + loaded;
         ly->token = 1;
-        ly->gate_thr = TOKEN_GATE_THR;
-        ly->act_thr = TOKEN_ACT_THR;
+        /* layer 0: fewer candidates than half of each member's slots (their up rows read where
+           they lie); layer 1: more (the member's up rows read as one stream) */
+        ly->gate_thr = l == 0 ? TOKEN_GATE_THR_FEW : TOKEN_GATE_THR;
+        ly->act_thr = l == 0 ? TOKEN_ACT_THR_FEW : TOKEN_ACT_THR;
         ly->kept = &kept[l];
         ly->candidates = &cand[l];
         memset(ly->k_cache, 0, (size_t)(nkv * cap * hd) * sizeof(float));
