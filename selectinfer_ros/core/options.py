@@ -21,6 +21,8 @@ SELECTIONS = ("auto", "published", "sensitivity", "shared-sensitivity", "random"
 WEIGHT_FORMATS = ("",) + WEIGHTS  # records of the embedded model; "" = auto
 DTYPES = ("", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16", "auto")
 KINDS = {"str": str, "float": float, "int": int, "bool": bool}
+MAX_TOKENS_LIMIT = 1_000_000  # max_new_tokens(_limit) of a node
+MAX_QUEUE_LENGTH = 1000  # goals that may wait
 
 
 class ParamError(ValueError):
@@ -64,9 +66,13 @@ def _profiles() -> Any:
     return param("", "task profiles folder; empty = profiles/<model-id>")
 
 
+MAX_RELOAD_TIMEOUT = 3600.0  # seconds; a reload's wait for the goals ahead of it is at most this
+
+
 def _reload_timeout() -> Any:
     return param(300.0, "seconds a base-neuron reload may wait for the goals ahead of it (a "
-                 "reload that has started always completes)", lo=0.0, lo_open=True, runtime=True)
+                 "reload that has started always completes)", lo=0.1, hi=MAX_RELOAD_TIMEOUT,
+                 runtime=True)
 
 
 @dataclass(frozen=True)
@@ -102,21 +108,22 @@ class ModelOptions:
     dtype: str = param("", "float32, float16 or bfloat16; empty = float32 for an int8 or 4-bit "
                        "pack on the CPU (the decode kernel's), else the packed dtype",
                        choices=DTYPES)
-    dense_layers: int = param(0, "first and last layers kept dense (all neurons)", lo=0)
+    dense_layers: int = param(0, "first and last layers kept dense (all neurons)", lo=0, hi=1024)
     selection: str = param("auto", "neuron selection: " + ", ".join(SELECTIONS) + " (auto: "
                            "shared-sensitivity when the profiles carry the sensitivity, else "
                            "published)", choices=SELECTIONS)
     memory_budget_mb: float = param(0.0, "MiB the weights may take: chooses load_ratio (and, "
                                     "for the embedded model with weights empty, the records) "
                                     "with the best stored agreement that fits; 0 = use "
-                                    "load_ratio", lo=0.0)
+                                    "load_ratio", lo=0.0, hi=2.0**24)
     min_agreement: float = param(0.0, "choose the fastest point (records, load_ratio and, with "
                                  "compute_ratio 0, compute_ratio) whose next-token agreement with "
                                  "the dense model (the quality curves stored in the profiles) is "
                                  ">= this; with memory_budget_mb the stricter wins and the log "
                                  "says which bound; 0 = use load_ratio", lo=0.0, hi=1.0)
-    context_limit: int = param(0, "context window cap in tokens; 0 = the model's", lo=0)
-    num_threads: int = param(0, "torch CPU threads; 0 = torch's default", lo=0,
+    context_limit: int = param(0, "context window cap in tokens; 0 = the model's", lo=0,
+                               hi=2**24)
+    num_threads: int = param(0, "torch CPU threads; 0 = torch's default", lo=0, hi=1024,
                              aliases=("--threads",))
 
     @property
@@ -188,15 +195,28 @@ class Ratios:
 class NodeSettings(ModelOptions):
     """The inference node's parameters: the model's, and how goals are served."""
 
-    max_new_tokens: int = param(128, "max_new_tokens of goals that give 0", lo=1, runtime=True)
+    max_new_tokens: int = param(128, "max_new_tokens of goals that give 0", lo=1,
+                                hi=MAX_TOKENS_LIMIT, runtime=True)
     max_new_tokens_limit: int = param(1024, "goals asking for more are rejected", lo=1,
-                                      runtime=True)
-    queue_length: int = param(4, "goals that may wait behind the running one; more are rejected",
-                              lo=0, runtime=True)
-    diagnostics_period: float = param(1.0, "seconds between diagnostics messages", lo=0.0,
-                                      lo_open=True, runtime=True)
+                                      hi=MAX_TOKENS_LIMIT, runtime=True)
+    queue_length: int = param(4, "goals that may wait behind the running one; more are rejected "
+                              "at once (QUEUE_FULL)", lo=0, hi=MAX_QUEUE_LENGTH, runtime=True)
+    diagnostics_period: float = param(1.0, "seconds between diagnostics messages", lo=0.05,
+                                      hi=3600.0, runtime=True)
     memory_headroom_mb: float = param(512.0, "diagnostics WARN when the system's available "
-                                      "memory is below this many MiB", lo=0.0, runtime=True)
+                                      "memory is below this many MiB", lo=0.0, hi=2.0**24,
+                                      runtime=True)
+    max_goal_seconds: float = param(600.0, "a running goal is ended after this many seconds "
+                                    "(aborted, GENERATION_FAILED, with the text so far)", lo=1.0,
+                                    hi=86400.0, runtime=True)
+    client_timeout: float = param(2.0, "a running goal whose client stopped acknowledging the "
+                                  "action's messages this many seconds (killed, frozen) is "
+                                  "aborted when another goal waits; one whose client left the "
+                                  "graph is aborted always", lo=0.5, hi=60.0, runtime=True)
+    prompt_special_tokens: bool = param(False, "control tokens typed in a prompt (<eos>, "
+                                        "<end_of_turn>, ...) are read as control tokens; false: "
+                                        "as plain text (the chat template still inserts its "
+                                        "own)", runtime=True)
     reload_timeout: float = _reload_timeout()
 
     def check(self) -> None:

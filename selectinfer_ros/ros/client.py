@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from rclpy.node import Node
 
+from .plumbing import BURST_QOS
 from .safe_action import SafeActionClient
 
 STATUS_SUCCEEDED = "SUCCEEDED"
@@ -285,6 +286,7 @@ class LLMClient:
             node, Generate, self.action_name, callback_group=callback_group)
         self.switch_name = ns_name(namespace, "switch_profile")
         self.switch_client = node.create_client(SwitchProfile, self.switch_name,
+                                                qos_profile=BURST_QOS,  # see safe_action
                                                 callback_group=callback_group)
         self._owned: _Owned | None = None
 

@@ -22,6 +22,46 @@ from ..core.options import ParamError
 
 LATCHED = QoSProfile(depth=1, durability=DurabilityPolicy.TRANSIENT_LOCAL,
                      reliability=ReliabilityPolicy.RELIABLE)
+# Requests a service (or an action's goal, cancel and result services) keeps until the executor
+# takes them. ROS 2's default is 10: a burst of more calls than that lost the rest, and their
+# callers waited for their own timeouts. Every request kept is answered (accepted, done, or
+# refused with the reason).
+SERVICE_DEPTH = 1000
+BURST_QOS = QoSProfile(depth=SERVICE_DEPTH, reliability=ReliabilityPolicy.RELIABLE)
+
+
+def one_transition_at_a_time(node) -> None:
+    """Make a lifecycle node's ``change_state`` service refuse a transition requested while
+    another one runs (success false at once, the reason in the node's log), instead of running
+    two transitions of one state machine side by side on two executor threads; and keep
+    SERVICE_DEPTH requests. rcl_lifecycle makes its service 10 deep, and a burst of 20 calls
+    lost 8: the same service is served by one of this node's own (BURST_QOS), and rcl_lifecycle's
+    is left out of the executor (it stays on the graph, keeps at most 10 requests and answers
+    none)."""
+    from lifecycle_msgs.srv import ChangeState
+    srv = getattr(node, "_service_change_state", None)
+    if srv is None:
+        return
+    lock = threading.Lock()
+    inner = srv.callback
+
+    def change_state(request, response):
+        if not lock.acquire(blocking=False):
+            node.get_logger().warning(
+                f"change_state (transition {request.transition.id} "
+                f"{request.transition.label!r}) refused: another transition is in progress "
+                f"(state {node._state_machine.current_state[1]})")
+            response.success = False
+            return response
+        try:
+            return inner(request, response)
+        finally:
+            lock.release()
+
+    own = node.create_service(ChangeState, srv.srv_name, change_state, qos_profile=BURST_QOS,
+                              callback_group=srv.callback_group)
+    node._services.remove(srv)
+    node._service_change_state = own
 
 
 def init_context(args: list[str] | None = None) -> Context:

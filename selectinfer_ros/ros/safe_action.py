@@ -15,6 +15,12 @@ ActionClient drops the goal's feedback callback as soon as the result arrives, a
 messages are lost (a CI run saw the last three text deltas of a canceled goal go missing).
 :class:`SafeActionClient` keeps the callback until :meth:`~SafeActionClient.forget_feedback`.
 
+**Service queue depth.** Goal, cancel and result requests and responses are kept
+``SERVICE_DEPTH`` deep on both sides instead of 10: with Fast DDS every client of a service reads
+every caller's response, so a burst of more than 10 answers (100 goals sent at once) could push
+a client's own answer out before it was taken, and the server could drop requests its executor
+had not taken yet.
+
 **Feedback queue depth.** Feedback is queued ``FEEDBACK_DEPTH`` deep on both sides instead of
 rclpy's 10, so a client whose executor stalls for a moment loses no text deltas (one per token).
 """
@@ -25,6 +31,8 @@ from typing import Any
 
 from rclpy.action import ActionClient, ActionServer
 from rclpy.qos import QoSProfile
+
+from .plumbing import BURST_QOS
 
 FEEDBACK_DEPTH = 100  # feedback messages queued per writer/reader (rclpy's default: 10)
 
@@ -64,6 +72,9 @@ class SafeActionClient(_Retiring, ActionClient):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("feedback_sub_qos_profile", QoSProfile(depth=FEEDBACK_DEPTH))
+        for name in ("goal_service_qos_profile", "result_service_qos_profile",
+                     "cancel_service_qos_profile"):
+            kwargs.setdefault(name, BURST_QOS)
         super().__init__(*args, **kwargs)
 
     def _remove_pending_result_request(self, future) -> None:
@@ -81,4 +92,7 @@ class SafeActionServer(_Retiring, ActionServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("feedback_pub_qos_profile", QoSProfile(depth=FEEDBACK_DEPTH))
+        for name in ("goal_service_qos_profile", "result_service_qos_profile",
+                     "cancel_service_qos_profile"):
+            kwargs.setdefault(name, BURST_QOS)
         super().__init__(*args, **kwargs)

@@ -41,6 +41,7 @@ class GenerationConfig:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     use_chat_template: bool = False
+    special_tokens: bool = False  # control tokens typed in the prompt are read as such
     compute_ratio: float | None = None  # None = the model's setting
     ignore_eos: bool = False  # benchmarks: always produce max_new_tokens
 
@@ -73,17 +74,34 @@ class GenerationResult:
     metrics: RequestMetrics
 
 
-def encode(tok, prompt: str, use_chat_template: bool = False) -> list[int]:
-    """Token ids of ``prompt`` (as a user turn of the chat template, if asked)."""
+PROMPT_SLOT = "\x00selectinfer-prompt\x00"  # where the prompt goes in a rendered chat template
+
+
+def encode(tok, prompt: str, use_chat_template: bool = False,
+           special_tokens: bool = False) -> list[int]:
+    """Token ids of ``prompt`` (as a user turn of the chat template, if asked). Control tokens
+    typed in the prompt (``<eos>``, ``<end_of_turn>``, ...) are plain text unless
+    ``special_tokens``: text from speech or a web page cannot end the user's turn. The chat
+    template's own control tokens and the tokenizer's BOS are inserted either way."""
+    split = not special_tokens
     if use_chat_template:
         if not getattr(tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                      add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-    return tok(prompt)["input_ids"]
+        if PROMPT_SLOT in prompt:
+            raise ValueError("the prompt contains the chat template's prompt marker")
+        if special_tokens:
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                          add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        text = tok.apply_chat_template([{"role": "user", "content": PROMPT_SLOT}],
+                                       add_generation_prompt=True, tokenize=False)
+        head, _, tail = text.partition(PROMPT_SLOT)
+        return (tok(head, add_special_tokens=False)["input_ids"]
+                + tok(prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                + tok(tail, add_special_tokens=False)["input_ids"])
+    return tok(prompt, split_special_tokens=split)["input_ids"]
 
 
 MAX_CHOICES = 64
@@ -250,8 +268,9 @@ class Engine:
     def from_selective(cls, sm, context_limit: int | None = None) -> "Engine":
         return cls(sm.model, sm.tokenizer, sm, context_limit)
 
-    def encode(self, prompt: str, use_chat_template: bool = False) -> list[int]:
-        return encode(self.tokenizer, prompt, use_chat_template)
+    def encode(self, prompt: str, use_chat_template: bool = False,
+               special_tokens: bool = False) -> list[int]:
+        return encode(self.tokenizer, prompt, use_chat_template, special_tokens)
 
     def check_prompt(self, prompt_tokens: int) -> None:
         if prompt_tokens == 0:
@@ -274,7 +293,8 @@ class Engine:
 
     def _generate(self, prompt, config, on_text, cancel) -> GenerationResult:
         t0 = time.perf_counter()
-        ids = prompt if isinstance(prompt, list) else self.encode(prompt, config.use_chat_template)
+        ids = prompt if isinstance(prompt, list) else self.encode(prompt, config.use_chat_template,
+                                                                    config.special_tokens)
         self.check_prompt(len(ids))
         max_new = min(config.max_new_tokens, self.context_limit - len(ids))
         metrics = RequestMetrics(prompt_tokens=len(ids))
@@ -459,7 +479,7 @@ class Engine:
     @torch.inference_mode()
     def choose(self, prompt: str | list[int], choices: list[str], *,
                length_normalize: bool = False, compute_ratio: float | None = None,
-               use_chat_template: bool = False,
+               use_chat_template: bool = False, special_tokens: bool = False,
                cancel: Callable[[], bool] | None = None) -> ChoiceResult:
         """The choice with the highest log-likelihood after ``prompt``.
 
@@ -471,7 +491,8 @@ class Engine:
         ``cancel()`` turns true, ValueError (see :func:`validate_choices`) for invalid choices.
         """
         with self._lock, self.phi(compute_ratio):
-            return self._choose(prompt, list(choices), length_normalize, use_chat_template, cancel)
+            return self._choose(prompt, list(choices), length_normalize, use_chat_template, cancel,
+                                special_tokens)
 
     def choice_ids(self, prompt_text: str | None, choice: str) -> list[int]:
         """Token ids of ``choice`` as it follows ``prompt_text`` (see :meth:`choose`)."""
@@ -479,9 +500,11 @@ class Engine:
             choice = " " + choice
         return self.tokenizer(choice, add_special_tokens=False)["input_ids"]
 
-    def _choose(self, prompt, choices, length_normalize, use_chat_template, cancel) -> ChoiceResult:
+    def _choose(self, prompt, choices, length_normalize, use_chat_template, cancel,
+                special_tokens=False) -> ChoiceResult:
         t0 = time.perf_counter()
-        ids = prompt if isinstance(prompt, list) else self.encode(prompt, use_chat_template)
+        ids = prompt if isinstance(prompt, list) else self.encode(prompt, use_chat_template,
+                                                                  special_tokens)
         self.check_prompt(len(ids))
         text = None if isinstance(prompt, list) else (
             prompt if not use_chat_template else self.tokenizer.decode(ids))

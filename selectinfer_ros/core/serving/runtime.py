@@ -172,14 +172,16 @@ class Runtime:
 
     def choose(self, prompt: str | list[int], choices: list[str], *, length_normalize: bool = False,
                compute_ratio: float | None = None, use_chat_template: bool = False,
-               cancel: Callable[[], bool] | None = None, task: str = "") -> ChoiceResult:
+               cancel: Callable[[], bool] | None = None, task: str = "",
+               special_tokens: bool = False) -> ChoiceResult:
         """:meth:`Engine.choose`, switching to ``task`` first when it differs from the active one."""
         with self._lock:
             if task and task != self.task:
                 self._switch(task)
             return self.engine.choose(prompt, choices, length_normalize=length_normalize,
                                       compute_ratio=compute_ratio,
-                                      use_chat_template=use_chat_template, cancel=cancel)
+                                      use_chat_template=use_chat_template, cancel=cancel,
+                                      special_tokens=special_tokens)
 
     def switch_task(self, task: str, cancel: Callable[[], bool] | None = None) -> SwitchReport:
         """Reload base neurons for ``task`` (waits for a generation in flight); ``cancel`` is

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from ..execution.engine import (Canceled, ChoiceResult, ContextLengthError, GenerationConfig,
                                 GenerationResult, check_choice_sizes, encode, validate_choices)
 from ..format.safetensors_io import FormatError
-from ..options import NodeSettings
+from ..options import MAX_RELOAD_TIMEOUT, NodeSettings
 from ..selection.loader import SwitchCanceled, SwitchReport
 
 # Error codes, named as the Generate action's result constants.
@@ -41,7 +41,6 @@ MAX_REASON_CHARS = 400  # a rejection reason kept for diagnostics (last_rejectio
 MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # dividing logits by less overflows
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings a goal may give, characters each
-MAX_RELOAD_TIMEOUT = 3600.0  # a reload's wait for the goals ahead of it is clamped to this
 
 
 def short(text: str, limit: int = MAX_NAME_CHARS) -> str:
@@ -59,6 +58,10 @@ def reload_timeout(requested: float, default: float) -> float:
     if value == 0:
         value = float(default)
     return min(value, MAX_RELOAD_TIMEOUT)
+
+
+class Superseded(RuntimeError):
+    """A task switch that waited was replaced by a later one (the last requested task wins)."""
 
 
 class Rejected(Exception):
@@ -97,7 +100,9 @@ class GoalJob:
         self.length_normalize = length_normalize
         self.cancel_requested = cancel_requested
         self.on_start, self.on_text, self.on_done = on_start, on_text, on_done
-        self.abort_reason: str | None = None  # set by drain/stop
+        self.abort_reason: str | None = None  # set by drain/stop/end_running
+        self.abort_code = NO_MODEL  # the error code of an abort_reason
+        self.started_at: float | None = None  # time.monotonic() when it started running
         self.refused: Rejected | None = None  # set when the goal cannot run (it is aborted)
         self.outcome: Outcome | None = None
 
@@ -110,6 +115,7 @@ class _Reload:
         self.report: SwitchReport | None = None
         self.error: Exception | None = None
         self.abandon = ""  # set (the reason) by drain/stop: a running reload stops before applying
+        self.superseded_by: str | None = None  # a later reload took this one's place
 
 
 class _Call:
@@ -151,6 +157,7 @@ def goal_config(goal, settings: NodeSettings, rt) -> tuple[GenerationConfig, flo
     phi_override = phi if rt.selective is not None and abs(phi - rt.compute_ratio) > 1e-9 else None
     if choices:  # sampling fields, stop and max_new_tokens are ignored
         return GenerationConfig(max_new_tokens=int(n), use_chat_template=bool(goal.use_chat_template),
+                                special_tokens=settings.prompt_special_tokens,
                                 compute_ratio=phi_override), phi
     _check_sampling(goal)
     cfg = GenerationConfig(
@@ -159,7 +166,7 @@ def goal_config(goal, settings: NodeSettings, rt) -> tuple[GenerationConfig, flo
         repetition_penalty=float(goal.repetition_penalty) if goal.repetition_penalty > 0 else 1.0,
         seed=int(goal.seed) if goal.seed >= 0 else None,
         stop=[s for s in goal.stop if s], use_chat_template=bool(goal.use_chat_template),
-        compute_ratio=phi_override)
+        special_tokens=settings.prompt_special_tokens, compute_ratio=phi_override)
     try:
         cfg.validate()
     except ValueError as e:
@@ -316,7 +323,8 @@ class Server:
         self.state = "unloaded"
 
     # ---- goals ----------------------------------------------------------------------------
-    def check_prompt(self, prompt: str, use_chat_template: bool) -> int:
+    def check_prompt(self, prompt: str, use_chat_template: bool,
+                     special_tokens: bool = False) -> int:
         """Tokens of ``prompt`` if it fits the context, else Rejected. Uses a tokenizer of its
         own (never the worker's), so the answer does not depend on what the worker is doing."""
         rt = self.runtime
@@ -331,7 +339,7 @@ class Server:
             if tok is None:
                 raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
             try:
-                ids = encode(tok, prompt, use_chat_template)
+                ids = encode(tok, prompt, use_chat_template, special_tokens)
             except ValueError as e:  # e.g. no chat template
                 raise Rejected(INVALID_GOAL, str(e)) from None
             except Exception as e:  # noqa: BLE001 - a tokenizer failure is the goal's problem
@@ -431,7 +439,7 @@ class Server:
                 self._queue.remove(j)
             self._in_system -= sum(isinstance(j, GoalJob) for j in waiting)
             if self._running is not None:
-                self._running.abort_reason = reason
+                self._running.abort_code, self._running.abort_reason = NO_MODEL, reason
             if self._current_reload is not None:
                 self._current_reload.abandon = reason
         for j in waiting:
@@ -464,6 +472,20 @@ class Server:
             worker.join(timeout)
         return worker is None or not worker.is_alive()
 
+    def end_running(self, job: GoalJob, code: str, reason: str) -> bool:
+        """End ``job`` with ``code`` and ``reason`` if it is the running goal (within one decode
+        step; aborted with the text so far); False if it is not running."""
+        with self._lock:
+            if self._running is not job or job.abort_reason is not None:
+                return False
+            job.abort_code, job.abort_reason = code, reason
+        return True
+
+    @property
+    def running(self) -> GoalJob | None:
+        """The goal running now, or None."""
+        return self._running
+
     @property
     def generating(self) -> bool:
         return self._running is not None
@@ -490,11 +512,12 @@ class Server:
 
     def _run_goal(self, job: GoalJob) -> None:
         rt = self.runtime
+        job.started_at = time.monotonic()
         job.on_start()
         if job.cancel_requested():
             return self._finish(job, Outcome("canceled", CANCELED, "canceled before it started"))
         if job.abort_reason is not None:
-            return self._finish(job, Outcome("aborted", NO_MODEL, job.abort_reason))
+            return self._finish(job, Outcome("aborted", job.abort_code, job.abort_reason))
         if job.refused is not None:
             return self._finish(job, Outcome("aborted", job.refused.code, job.refused.reason))
         if rt is None:
@@ -506,7 +529,8 @@ class Server:
             if job.choices:
                 choice = rt.choose(job.prompt, job.choices, length_normalize=job.length_normalize,
                                    compute_ratio=job.config.compute_ratio,
-                                   use_chat_template=job.config.use_chat_template, cancel=stop)
+                                   use_chat_template=job.config.use_chat_template, cancel=stop,
+                                   special_tokens=job.config.special_tokens)
                 return self._finish(job, Outcome("succeeded", choice=choice, task=rt.task,
                                                  load_ratio=float(rt.load_ratio),
                                                  compute_ratio=job.compute_ratio))
@@ -514,7 +538,7 @@ class Server:
         except Canceled:
             if job.cancel_requested():
                 return self._finish(job, Outcome("canceled", CANCELED, "canceled by client"))
-            return self._finish(job, Outcome("aborted", NO_MODEL, str(job.abort_reason)))
+            return self._finish(job, Outcome("aborted", job.abort_code, str(job.abort_reason)))
         except Rejected as e:
             return self._finish(job, Outcome("aborted", e.code, e.reason))
         except ContextLengthError as e:
@@ -530,7 +554,7 @@ class Server:
             if job.cancel_requested():
                 out.status, out.code, out.message = "canceled", CANCELED, "canceled by client"
             else:
-                out.status, out.code = "aborted", NO_MODEL
+                out.status, out.code = "aborted", job.abort_code
                 out.message = f"{job.abort_reason}; generation stopped after " \
                               f"{res.metrics.generated_tokens} tokens"
         self._finish(job, out)
@@ -587,17 +611,25 @@ class Server:
         with self._cond:
             if self._stopping or self._worker is None or not self._worker.is_alive():
                 raise Rejected(NO_MODEL, "node shutting down")
-            if (task in ("", self.task) and not self._reloading
-                    and not any(isinstance(j, _Reload) for j in self._queue)):
+            waiting = next((j for j in self._queue if isinstance(j, _Reload)), None)
+            if task in ("", self.task) and not self._reloading and waiting is None:
                 return None  # no switch ahead could change the task: no need to wait for goals
-            self._queue.append(job)
+            if waiting is not None:  # the last requested task wins; it takes the waiting one's place
+                self._queue[self._queue.index(waiting)] = job
+                waiting.state, waiting.superseded_by = "abandoned", task
+                waiting.error = Superseded(
+                    f"superseded by a later switch to {short(task or self.task)!r} (the last "
+                    f"requested task wins); {short(waiting.task)!r} was not loaded")
+                waiting.done.set()
+            else:
+                self._queue.append(job)
             self._cond.notify()
         if not job.done.wait(timeout):
             with self._lock:
-                if job.state == "queued":
+                if job.state == "queued" and job in self._queue:
                     self._queue.remove(job)
                     job.state = "abandoned"
-            if job.state == "abandoned":
+            if job.state == "abandoned" and job.superseded_by is None:
                 raise TimeoutError(f"the reload waited {timeout:g} s for the goals ahead of it "
                                    f"and was abandoned; task {self.task!r} stays active")
             job.done.wait()

@@ -27,23 +27,27 @@ import traceback
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.action import CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.duration import Duration
 from rclpy.lifecycle import LifecycleNodeMixin, TransitionCallbackReturn
 from rclpy.node import Node
+from rclpy.qos import QoSProfile
 
 from diagnostic_msgs.msg import DiagnosticArray
 from selectinfer_msgs.action import Generate
 from selectinfer_msgs.msg import ActiveProfile
 from selectinfer_msgs.srv import ReloadBase
 
-from ...core.serving.server import (GoalJob, Outcome, Rejected, Server, goal_config,
-                                    reload_timeout, short)
-from ..plumbing import LATCHED, exit_now, guarded, internal_error, run_node
+from ...core.serving.server import (CANCELED, GENERATION_FAILED, GoalJob, Outcome, Rejected,
+                                    Server, goal_config, reload_timeout, short)
+from ..plumbing import (BURST_QOS, LATCHED, exit_now, guarded, internal_error,
+                        one_transition_at_a_time, run_node)
 from ..safe_action import SafeActionServer
 from . import diagnostics as diag
 from .settings import NodeSettings, ParamError, apply_changes, check_model_files, declare
 
 R = Generate.Result
 RESULT_GRACE = 0.2  # seconds for the last results to reach their clients before the server goes
+WATCH_PERIOD = 0.5  # seconds between two looks at the running goal (time bound, its client)
 
 
 def _resolve(node, name: str) -> str:
@@ -62,7 +66,8 @@ def finish_reason(outcome: Outcome, generated: str) -> str:
     if outcome.status == "canceled":
         return "canceled"
     if outcome.status == "aborted" and (generated in ("", "canceled")):
-        return "aborted" if outcome.code == "NO_MODEL" else "error"
+        stopped = outcome.code in ("NO_MODEL", "CANCELED") or generated == "canceled"
+        return "aborted" if stopped else "error"
     return generated or "error"
 
 
@@ -97,6 +102,7 @@ class _Goal:
         self.started = False
         self.done = threading.Event()
         self.t_first = 0.0
+        self.clients: frozenset = frozenset()  # action clients on the graph when it came
         self.job = GoalJob(*job_args, cancel_requested=lambda: gh.is_cancel_requested,
                            on_start=self._start, on_text=self._feedback, on_done=self._done,
                            choices=choices, length_normalize=length_normalize)
@@ -127,6 +133,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
         Node.__init__(self, node_name, namespace=namespace, **kwargs)
         # Lifecycle services in a reentrant group: get_state answers while configure loads.
         LifecycleNodeMixin.__init__(self, callback_group=ReentrantCallbackGroup())
+        one_transition_at_a_time(self)
         try:  # values only; the files are checked by configure
             self.settings: NodeSettings = declare(self, NodeSettings)
         except ParamError as e:
@@ -152,6 +159,15 @@ class InferenceNode(LifecycleNodeMixin, Node):
             self._diag_pubs.append(self.create_publisher(DiagnosticArray, "/diagnostics", 10))
         self._diag_timer = self.create_timer(self.settings.diagnostics_period,
                                              self.publish_diagnostics, callback_group=self._diag_group)
+        # Probes on the action's feedback topic (a nil goal id: clients ignore them): a reader
+        # that stops acknowledging them belongs to a client that was killed or froze.
+        self._feedback_topic = _resolve(self, "generate") + "/_action/feedback"
+        self._probe = self.create_publisher(Generate.Impl.FeedbackMessage, self._feedback_topic,
+                                            QoSProfile(depth=1))
+        self._acked_at = 0.0  # when every reader last acknowledged a probe
+        self._watching = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="selectinfer-watch", daemon=True)
+        self._watcher.start()
 
     def _needs_profiles(self) -> bool:
         s = self.settings
@@ -206,8 +222,9 @@ class InferenceNode(LifecycleNodeMixin, Node):
             self, Generate, "generate",
             goal_callback=self._on_goal, handle_accepted_callback=self._on_accepted,
             cancel_callback=self._on_cancel, execute_callback=self._execute,
-            callback_group=self._goal_group)
+            callback_group=self._goal_group)  # request queues: BURST_QOS (safe_action)
         self._reload_srv = self.create_service(ReloadBase, "reload_base", self._on_reload_base,
+                                               qos_profile=BURST_QOS,
                                                callback_group=self._reload_group)
         self.get_logger().info(f"active: serving {_resolve(self, 'generate')}")
         return super().on_activate(state)
@@ -262,7 +279,8 @@ class InferenceNode(LifecycleNodeMixin, Node):
             if rt is None:
                 raise Rejected("NO_MODEL", f"no model loaded ({self.server.state})")
             goal_config(goal, self.settings, rt)
-            tokens = self.server.check_prompt(goal.prompt, bool(goal.use_chat_template))
+            tokens = self.server.check_prompt(goal.prompt, bool(goal.use_chat_template),
+                                              self.settings.prompt_special_tokens)
             if goal.choices:
                 self.server.check_choices(list(goal.choices), tokens)
             self.server.admit()
@@ -296,6 +314,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
         g = _Goal(gh, (goal.prompt, cfg, goal.task, phi), list(goal.choices),
                   bool(goal.length_normalize))
         g.job.refused = refused
+        g.clients = self._action_clients()
         with self._lock:
             self._goals[bytes(gh.goal_id.uuid)] = g
         self.server.submit(g.job)
@@ -346,6 +365,61 @@ class InferenceNode(LifecycleNodeMixin, Node):
                 self._goals.pop(key, None)
                 self._executing -= 1
 
+    # ---- the running goal's bounds: time, its client ---------------------------------------
+    def _action_clients(self) -> frozenset:
+        """Endpoint ids of the readers of the action's feedback (one per action client)."""
+        try:
+            return frozenset(bytes(i.endpoint_gid) for i in
+                             self.get_subscriptions_info_by_topic(self._feedback_topic))
+        except Exception:  # noqa: BLE001 - the graph is a hint; never fail a goal on it
+            return frozenset()
+
+    def _watch(self) -> None:
+        """Watcher thread: every WATCH_PERIOD, end the running goal when it ran past
+        ``max_goal_seconds``, when every action client present when it came has left the graph,
+        or (while another goal waits) when a reader that acknowledged the node's messages during
+        this goal stopped doing so for ``client_timeout`` seconds (its client was killed or
+        froze: DDS would keep it matched ~20 s)."""
+        while not self._watching.wait(WATCH_PERIOD):
+            try:
+                self._check_running()
+            except Exception as e:  # noqa: BLE001 - logged; the watcher goes on
+                self.get_logger().error(f"watch: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+    def _check_running(self) -> None:
+        if self._action_server is None or not self.context.ok():
+            return
+        s = self.settings
+        self._probe.publish(Generate.Impl.FeedbackMessage())  # also while idle: a baseline
+        if self._probe.wait_for_all_acked(Duration(seconds=min(1.0, s.client_timeout / 2))):
+            self._acked_at = time.monotonic()
+        job = self.server.running
+        if job is None or job.started_at is None:
+            return
+        with self._lock:
+            g = next((x for x in self._goals.values() if x.job is job), None)
+        now = time.monotonic()
+        if now - job.started_at > s.max_goal_seconds:
+            self._end(job, GENERATION_FAILED, f"the goal ran longer than max_goal_seconds="
+                                              f"{s.max_goal_seconds:g} s")
+            return
+        if g is not None and g.clients and not (g.clients & self._action_clients()):
+            self._end(job, CANCELED, "its client left the graph (no action client that was "
+                                     "there when the goal came is left)")
+            return
+        # acknowledged until shortly before this goal started (a reader dead since earlier is
+        # not this goal's client), then silent for client_timeout while others wait
+        silent = now - self._acked_at
+        if (self._acked_at > job.started_at - 2 * WATCH_PERIOD and silent >= s.client_timeout
+                and self.server.waiting > 0):
+            self._end(job, CANCELED, f"its client stopped taking results (no acknowledgment for "
+                                     f"{silent:.1f} s, client_timeout {s.client_timeout:g} s) "
+                                     f"and {self.server.waiting} goal(s) wait")
+
+    def _end(self, job: GoalJob, code: str, reason: str) -> None:
+        if self.server.end_running(job, code, reason):
+            self.get_logger().warning(f"ending the running goal ({code}): {reason}")
+
     # ---- base reloads ---------------------------------------------------------------------
     def _reload_failed(self, e: Exception, request, response):
         response.success, response.message = False, internal_error(e)
@@ -388,7 +462,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
     @guarded(lambda self, e, params: SetParametersResult(successful=False,
                                                          reason=internal_error(e)))
     def _on_set_parameters(self, params) -> SetParametersResult:
-        new, reason = apply_changes(self.settings, params)
+        new, reason = apply_changes(self.settings, params, self)
         rt = self.server.runtime
         if reason is None and rt is not None:
             try:
@@ -398,12 +472,13 @@ class InferenceNode(LifecycleNodeMixin, Node):
         if reason is not None:
             self.get_logger().warning(f"parameter change refused: {reason}")
             return SetParametersResult(successful=False, reason=reason)
-        old, self.settings = self.settings, new
+        if new.diagnostics_period != self.settings.diagnostics_period:
+            timer = self.create_timer(new.diagnostics_period, self.publish_diagnostics,
+                                      callback_group=self._diag_group)  # before the old one goes
+            old_timer, self._diag_timer = self._diag_timer, timer
+            self.destroy_timer(old_timer)
+        self.settings = new
         self.server.queue_length = new.queue_length
-        if new.diagnostics_period != old.diagnostics_period:
-            self.destroy_timer(self._diag_timer)
-            self._diag_timer = self.create_timer(new.diagnostics_period, self.publish_diagnostics,
-                                                 callback_group=self._diag_group)
         return SetParametersResult(successful=True)
 
     # ---- diagnostics ----------------------------------------------------------------------
@@ -465,6 +540,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
         return self.server.stop("node shutting down", timeout)
 
     def destroy_node(self) -> None:
+        self._watching.set()
         if not self.stop():
             self.get_logger().warning("worker still busy (model loading?) at shutdown")
         if self._action_server is not None:

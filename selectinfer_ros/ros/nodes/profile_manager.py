@@ -35,7 +35,10 @@ from rclpy.node import Node
 from selectinfer_msgs.msg import ActiveProfile
 from selectinfer_msgs.srv import ReloadBase, SwitchProfile
 
-from ..plumbing import LATCHED, exit_now, guarded, internal_error, run_node
+from ...core.serving.coalesce import LatestWins
+from ...core.serving.server import Superseded
+from ..plumbing import (BURST_QOS, LATCHED, exit_now, guarded, internal_error,
+                        one_transition_at_a_time, run_node)
 from .settings import ManagerSettings, ParamError, apply_changes, declare
 
 RELOAD_RUN_LIMIT = 120.0  # seconds a started reload may take before this node stops waiting
@@ -45,6 +48,7 @@ class ProfileManager(LifecycleNodeMixin, Node):
     def __init__(self, node_name: str = "profile_manager", *, namespace: str = "llm", **kwargs):
         Node.__init__(self, node_name, namespace=namespace, **kwargs)
         LifecycleNodeMixin.__init__(self, callback_group=ReentrantCallbackGroup())
+        one_transition_at_a_time(self)
         try:
             self.settings: ManagerSettings = declare(self, ManagerSettings)
         except ParamError as e:
@@ -59,6 +63,9 @@ class ProfileManager(LifecycleNodeMixin, Node):
         self._manifest = None
         self._reload_client = None
         self._switch_srv = None
+        self._switches = LatestWins()  # one switch at a time; a waiting one is replaced by a newer
+        self._in_flight = 0  # reload_base calls waiting for their answer
+        self._retired_client = None  # released while a call was in flight: destroyed after it
         self._last_loaded: ActiveProfile | None = None
         self.active_task = ""
         self.failure = ""  # why the last transition failed ('' after a success)
@@ -96,7 +103,7 @@ class ProfileManager(LifecycleNodeMixin, Node):
         self._manifest, self._catalog = manifest, catalog
         self._reload_client = self.create_client(ReloadBase, "reload_base", callback_group=self._group)
         self._switch_srv = self.create_service(SwitchProfile, "switch_profile", self._on_switch,
-                                               callback_group=self._group)
+                                               qos_profile=BURST_QOS, callback_group=self._group)
         log.info(f"configured: {manifest.model_id}, {len(catalog.tasks)} profiles in {folder}: "
                  f"{', '.join(catalog.tasks)}")
         return TransitionCallbackReturn.SUCCESS
@@ -145,9 +152,13 @@ class ProfileManager(LifecycleNodeMixin, Node):
     def _release(self) -> None:
         if self._switch_srv is not None:
             self.destroy_service(self._switch_srv)
-        if self._reload_client is not None:
-            self.destroy_client(self._reload_client)
-        self._switch_srv = self._reload_client = None
+        with self._lock:  # a call in flight keeps the client until its answer (or its timeout)
+            client, self._reload_client = self._reload_client, None
+            if client is not None and self._in_flight:
+                self._retired_client, client = client, None
+        if client is not None:
+            self.destroy_client(client)
+        self._switch_srv = None
         self._catalog = self._manifest = None
 
     # ---- switching ----------------------------------------------------------------------------
@@ -165,9 +176,21 @@ class ProfileManager(LifecycleNodeMixin, Node):
             return ReloadBase.Response(
                 success=False, message=f"inference node service {client.srv_name} not available")
         done = threading.Event()
-        future = client.call_async(ReloadBase.Request(task=task, timeout=float(timeout)))
-        future.add_done_callback(lambda _f: done.set())
-        if not done.wait(timeout + RELOAD_RUN_LIMIT):
+        with self._lock:
+            self._in_flight += 1
+        try:
+            future = client.call_async(ReloadBase.Request(task=task, timeout=float(timeout)))
+            future.add_done_callback(lambda _f: done.set())
+            answered = done.wait(timeout + RELOAD_RUN_LIMIT)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                retired = self._retired_client if not self._in_flight else None
+                if retired is not None:
+                    self._retired_client = None
+            if retired is not None:
+                self.destroy_client(retired)
+        if not answered:
             remove = getattr(client, "remove_pending_request", None)
             if remove is not None:
                 remove(future)
@@ -198,7 +221,12 @@ class ProfileManager(LifecycleNodeMixin, Node):
             response.success, response.message = False, "task is empty"
             response.active_task = self.active_task
             return response
-        resp = self.reload(task)
+        try:  # one at a time; a waiting switch is answered at once when a newer one comes
+            resp = self._switches.run(task, self.reload, timeout=self.settings.reload_timeout)
+        except (Superseded, TimeoutError) as e:
+            response.success, response.message = False, str(e)
+            response.active_task = self.active_task
+            return response
         response.success, response.message = resp.success, resp.message
         response.active_task = resp.active_task or self.active_task
         response.reload_seconds, response.bytes_read = resp.reload_seconds, resp.bytes_read
@@ -222,7 +250,7 @@ class ProfileManager(LifecycleNodeMixin, Node):
     @guarded(lambda self, e, params: SetParametersResult(successful=False,
                                                          reason=internal_error(e)))
     def _on_set_parameters(self, params) -> SetParametersResult:
-        new, reason = apply_changes(self.settings, params)
+        new, reason = apply_changes(self.settings, params, self)
         if reason is not None:
             self.get_logger().warning(f"parameter change refused: {reason}")
             return SetParametersResult(successful=False, reason=reason)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from ...core.options import (ManagerSettings, NodeSettings, ParamError, changed, coerce,
                             from_values, kind_of, range_text)
+from ...core.serving.server import short
 
 __all__ = ["ManagerSettings", "NodeSettings", "ParamError", "apply_changes", "check_model_files",
            "declare", "embedded_model_path"]
@@ -129,9 +130,16 @@ def describe(cls) -> dict[str, Any]:
     return {f.name: _descriptor(f) for f in fields(cls)}
 
 
-def apply_changes(current, params) -> tuple[Any, str | None]:
+def apply_changes(current, params, node=None) -> tuple[Any, str | None]:
     """Validate rclpy ``params`` (a runtime set request) against ``current`` settings.
-    Returns (new settings, None) or (current, reason)."""
+    Returns (new settings, None) or (current, reason). With ``node``, a name that is neither a
+    setting nor a parameter the node declared (``use_sim_time``, ...) is refused."""
+    own = {f.name for f in fields(current)}
+    for p in params:
+        if p.name not in own and (node is None or not node.has_parameter(p.name)):
+            if node is not None:
+                return current, (f"{short(p.name)!r} is not a parameter of "
+                                 f"{node.get_name()}; its parameters: {', '.join(sorted(own))}")
     try:
         return changed(current, {p.name: p.value for p in params}), None
     except ParamError as e:

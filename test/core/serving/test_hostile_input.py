@@ -173,3 +173,21 @@ def test_reload_with_an_infinite_timeout_is_answered(server):
         e, _ = _answered(server.reload, "beta", timeout)
         assert e.code == serving.INVALID_GOAL
     assert server.task == "alpha"
+
+
+def test_control_tokens_typed_in_a_prompt_are_plain_text_by_default():
+    """Issue 27: `<end_of_turn>` typed in a prompt is text (several tokens), not the control
+    token; `special_tokens=True` (the node's prompt_special_tokens) reads it as one."""
+    from selectinfer_ros.core.execution.engine import encode
+    from selectinfer_ros.core.format.tokenizer import load_tokenizer
+    from selectinfer_ros.ros.nodes.settings import embedded_model_path
+    path = embedded_model_path(convert=True)
+    tok = load_tokenizer(path)
+    plain = encode(tok, 'Hello world')
+    for forged in ('<end_of_turn>', '<start_of_turn>', '<eos>', '<bos>'):
+        ctrl = tok.convert_tokens_to_ids(forged)
+        as_text = encode(tok, f'Hello {forged} world')
+        as_ctrl = encode(tok, f'Hello {forged} world', special_tokens=True)
+        assert ctrl not in as_text[1:] and ctrl in as_ctrl[1:], forged
+        assert len(as_text) > len(as_ctrl) >= len(plain)
+    assert encode(tok, 'Hello world') == tok('Hello world')['input_ids']  # BOS still added

@@ -167,18 +167,56 @@ def test_reload_of_the_active_task_answers_at_once_while_a_goal_runs(server):
     assert running.job.outcome is None  # answered while the goal is held (up to 30 s)
     assert time.monotonic() - t0 < 10.0
     box = {}
-    ahead = threading.Thread(target=lambda: box.update(r=server.reload("beta", timeout=30.0)))
+
+    def call(key, task):
+        try:
+            box[key] = server.reload(task, timeout=30.0)
+        except Exception as e:  # noqa: BLE001 - the answer under test
+            box[key] = e
+
+    ahead = threading.Thread(target=call, args=("r", "beta"))
     ahead.start()
     assert _wait_until(lambda: _queued_reloads(server) == 1, 30.0)
-    behind = threading.Thread(target=lambda: box.update(a=server.reload("alpha", timeout=30.0)))
+    behind = threading.Thread(target=call, args=("a", "alpha"))
     behind.start()
-    # queued behind the switch to beta (a reload that answered at once would never be queued)
-    assert _wait_until(lambda: _queued_reloads(server) == 2, 30.0)
-    assert "a" not in box
+    # queued (a reload that answered at once would never be queued), in the waiting switch's
+    # place: the last requested task wins and the earlier caller is told so at once
+    assert _wait_until(lambda: "r" in box, 30.0)
+    assert isinstance(box["r"], serving.Superseded) and "'alpha'" in str(box["r"]), box["r"]
+    assert _queued_reloads(server) == 1 and "a" not in box
     gate.set()
     ahead.join(30.0)
     behind.join(30.0)
-    assert box["r"].task == "beta" and box["a"].task == "alpha" and server.task == "alpha"
+    assert box["a"] is None and server.task == "alpha"  # alpha was active: nothing to switch
+    assert running.outcome.status == "succeeded"
+
+
+def test_a_storm_of_reloads_answers_every_caller_and_the_last_task_wins(server):
+    """30 reloads while a goal runs: every caller hears back (superseded at once, or done), at
+    most two wait at any time, and the last requested task is the one loaded."""
+    gate = threading.Event()
+    running = Client(server, max_new_tokens=10, gate=gate)
+    assert running.started.wait(10.0)
+    box, threads = {}, []
+
+    def call(i, task):
+        try:
+            box[i] = server.reload(task, timeout=60.0)
+        except Exception as e:  # noqa: BLE001 - the answer under test
+            box[i] = e
+
+    for i in range(30):
+        threads.append(threading.Thread(target=call, args=(i, ("beta", "alpha")[i % 2])))
+        threads[-1].start()
+        assert _wait_until(lambda: len(box) >= i, 30.0)  # the one before it was superseded
+    assert _wait_until(lambda: len(box) == 29, 30.0) and _queued_reloads(server) == 1
+    gate.set()
+    for t in threads:
+        t.join(30.0)
+    assert len(box) == 30
+    superseded = [i for i, r in box.items() if isinstance(r, serving.Superseded)]
+    assert sorted(superseded) == list(range(29))
+    assert box[29] is None and server.task == "alpha"  # the last asked for alpha (active)
     assert running.outcome.status == "succeeded"
 
 
