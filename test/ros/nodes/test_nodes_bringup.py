@@ -54,12 +54,14 @@ class Lines:
         return False
 
 
-def test_bringup_with_yaml_and_the_small_commands(tiny_llm, tmp_path):
+def _bringup(tiny_llm, tmp_path, **node_params):
+    """Bringup as a subprocess on desktop.yaml with the tiny model (task alpha, 0.7 / 0.5 and
+    ``node_params``) in a fresh namespace: (process, namespace)."""
     cfg = yaml.safe_load((CONFIG / 'desktop.yaml').read_text())
     cfg['/**']['ros__parameters'].update(model=str(tiny_llm.model),
                                          profiles=str(tiny_llm.profiles), task='alpha')
     cfg['/**/selectinfer_node']['ros__parameters'].update(load_ratio=0.7, compute_ratio=0.5,
-                                                          diagnostics_period=0.5)
+                                                          **node_params)
     params = tmp_path / 'params.yaml'
     params.write_text(yaml.safe_dump(cfg))
     ns = f'llm_{uuid.uuid4().hex[:8]}'
@@ -67,6 +69,11 @@ def test_bringup_with_yaml_and_the_small_commands(tiny_llm, tmp_path):
         [sys.executable, '-m', 'selectinfer_ros.ros.bringup', '--params', str(params),
          '--namespace', ns], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=_env(), cwd=ROOT)
+    return proc, ns
+
+
+def test_bringup_with_yaml_and_the_small_commands(tiny_llm, tmp_path):
+    proc, ns = _bringup(tiny_llm, tmp_path, diagnostics_period=0.5)
     out = Lines(proc)
     try:
         assert out.wait_for('[bringup] ready', 90.0), ''.join(out.lines)

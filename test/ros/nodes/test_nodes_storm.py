@@ -6,12 +6,10 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
-import yaml
 from action_msgs.msg import GoalStatus
 
-from test_nodes_bringup import CONFIG, ROOT, Lines, _env
+from test_nodes_bringup import ROOT, Lines, _bringup, _env
 from test_nodes_embedded import embedded_ready  # noqa: F401 - fixture
 
 ANSWER_WITHIN = 30.0  # seconds for a whole storm to be answered (the issue measures 10 s)
@@ -30,22 +28,6 @@ def _storm(clients, request, timeout=ANSWER_WITHIN):
     futures = [c.call_async(request) for c in clients]
     _wait_until(lambda: all(f.done() for f in futures), timeout)
     return [f.result() for f in futures if f.done()], time.monotonic() - t0
-
-
-def _bringup(tiny_llm, tmp_path, **node_params):
-    cfg = yaml.safe_load((CONFIG / 'desktop.yaml').read_text())
-    cfg['/**']['ros__parameters'].update(model=str(tiny_llm.model),
-                                         profiles=str(tiny_llm.profiles), task='alpha')
-    cfg['/**/selectinfer_node']['ros__parameters'].update(load_ratio=0.7, compute_ratio=0.5,
-                                                          **node_params)
-    params = tmp_path / 'params.yaml'
-    params.write_text(yaml.safe_dump(cfg))
-    ns = f'llm_{uuid.uuid4().hex[:8]}'
-    proc = subprocess.Popen(
-        [sys.executable, '-m', 'selectinfer_ros.ros.bringup', '--params', str(params),
-         '--namespace', ns], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=_env(), cwd=ROOT)
-    return proc, ns
 
 
 def test_storms_are_answered_then_a_goal_is_served_and_ctrl_c_stops_the_bringup(
