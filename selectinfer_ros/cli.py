@@ -217,7 +217,13 @@ def _gen_config(args: argparse.Namespace, **over):
                             top_k=args.top_k, top_p=args.top_p,
                             repetition_penalty=args.repetition_penalty, seed=args.seed,
                             stop=[_text(args, s) for s in args.stop or []],
-                            use_chat_template=args.chat, **over)
+                            use_chat_template=args.chat, json_schema=_read_file(args.json_schema),
+                            grammar=_read_file(args.grammar), **over)
+
+
+def _read_file(path: str | None) -> str:
+    """The text of ``path`` (a JSON schema or grammar file); "" for None."""
+    return Path(path).read_text(encoding="utf-8") if path else ""
 
 
 def result_json(rt, res, prompt: str | None = None) -> dict:
@@ -233,6 +239,8 @@ def result_json(rt, res, prompt: str | None = None) -> dict:
            "compute_ratio": rt.compute_ratio, "model_id": rt.model_id}
     if m.computed_share >= 0:  # compute_mode token: the share of MLP neurons computed per token
         out["computed_share"] = m.computed_share
+    if res.finish_reason == "grammar" or res.parsed:
+        out["parsed"] = res.parsed
     if prompt is not None:
         out["prompt"] = prompt
     return out
@@ -262,6 +270,10 @@ def _choose(rt, args, prompt: str, choices: list[str], task: str = ""):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .core.profiling.profiler import read_jsonl
+    if sum(map(bool, (args.choices, args.json_schema, args.grammar))) > 1:
+        print("selectinfer generate: --choices, --json-schema and --grammar are mutually "
+              "exclusive", file=sys.stderr)
+        return 2
     rt = runtime_from_args(args, dense=args.dense)
     choices = [_text(args, c) for c in parse_choices(args.choices)]
     if args.prompts:
@@ -292,9 +304,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"phi={rt.compute_ratio}", file=sys.stderr)
         return 0
     stream = None if args.json else (lambda s, n: print(s, end="", flush=True))
-    res = rt.generate(_text(args, args.prompt), _gen_config(args), on_text=stream)
+    cfg = _gen_config(args)
+    if cfg.constraint is not None:  # compiled before the clock starts; a bad one is refused here
+        from .core.execution.constrain import GrammarError
+        try:
+            rt.engine.grammars.compile(*cfg.constraint)
+        except GrammarError as e:
+            print(f"selectinfer generate: {e}", file=sys.stderr)
+            return 2
+    res = rt.generate(_text(args, args.prompt), cfg, on_text=stream)
+    if cfg.constraint is not None and not res.parsed:  # a cut-off answer is never a success
+        print(f"selectinfer generate: the answer was cut off (finish_reason "
+              f"{res.finish_reason}) before it was complete", file=sys.stderr)
     if args.json:
-        print(json.dumps(result_json(rt, res)))
+        out = result_json(rt, res)
+        out["parsed"] = res.parsed
+        if cfg.json_schema and res.parsed:
+            out["value"] = json.loads(res.text)
+        print(json.dumps(out))
     else:
         m = res.metrics
         mem = rt.memory()
@@ -305,7 +332,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"load={rt.load_seconds:.2f}s task={rt.task or '-'} gamma={rt.load_ratio} "
               f"phi={rt.compute_ratio}" + (f" computed={m.computed_share:.3f} per token"
                                            if m.computed_share >= 0 else ""), file=sys.stderr)
-    return 0
+    return 0 if cfg.constraint is None or res.parsed else 1
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -456,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(JSONL records may carry their own \"choices\" list)")
     p.add_argument("--length-normalize", action="store_true",
                    help="rank choices by mean log-prob per token (default: total)")
+    p.add_argument("--json-schema", metavar="FILE", help="answer with JSON valid under this JSON "
+                   "schema (exit 1 when cut off before complete)")
+    p.add_argument("--grammar", metavar="FILE", help="answer in this Lark grammar (llguidance's "
+                   "syntax); exit 1 when cut off")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("verify", help="check every neuron record and tensor of a packed model "

@@ -240,3 +240,24 @@ def test_modules_and_files_the_readme_names_exist():
              "selectinfer_ros/data/examples/robot_commands.txt", "profiles/gemma3-270m"}
     assert len(links) >= 4 and all(p.removeprefix("launch/") in text for p in named)
     assert [p for p in sorted(links | named) if not (root / p).exists()] == []
+
+
+def test_generate_json_schema_prints_the_parsed_value(tmp_path):
+    """`--json-schema FILE` on the embedded model: a complete answer, valid under the schema, its
+    parsed value in the JSON; with --choices as well it is refused before loading anything."""
+    import jsonschema
+    schema = {"type": "object", "properties": {"room": {"enum": ["kitchen", "hall", "dock"]},
+                                               "count": {"type": "integer", "minimum": 0,
+                                                         "maximum": 9}},
+              "required": ["room", "count"], "additionalProperties": False}
+    f = tmp_path / "schema.json"
+    f.write_text(json.dumps(schema))
+    out = _cli("generate", "--json-schema", str(f), "--json", "--max-new-tokens", "32",
+               'Example: {"room":"hall","count":2}\nThere are three cups in the kitchen.\nJSON: ')
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["finish_reason"] == "grammar" and res["parsed"] is True
+    jsonschema.validate(res["value"], schema)
+    assert res["value"] == json.loads(res["text"])
+    both = _cli("generate", "--json-schema", str(f), "--choices", "a,b", "x")
+    assert both.returncode == 2 and "mutually exclusive" in both.stderr

@@ -1,4 +1,5 @@
-"""py_trees behaviours that call the LLM: :class:`Generate`, :class:`Choose`, :class:`SwitchProfile`.
+"""py_trees behaviours that call the LLM: :class:`Generate`, :class:`Choose`, :class:`GenerateJSON`,
+:class:`SwitchProfile`.
 
 As in py_trees_ros, ``__init__`` takes configuration only and rclpy comes in late: ``tree.setup(
 node=node)`` (before that node spins: rclpy registers an ActionClient with its node before the
@@ -209,6 +210,41 @@ class Choose(Generate):
         self.blackboard.set(self.text_key, out.text, overwrite=True)
         self.blackboard.set(self.index_key, out.choice_index, overwrite=True)
         self.feedback_message = f"chose {out.text!r} ({out.choice_index})"
+
+
+class GenerateJSON(Generate):
+    """Answer with JSON valid under ``schema`` (a dict or its JSON text); writes the parsed object
+    to ``value_key`` (and the text to ``text_key``). FAILURE when the goal fails, is rejected (an
+    invalid schema: the reason on ``error_key``) or its answer was cut off before the JSON was
+    complete (CUT_OFF); ``value_key`` is then set to None.
+
+    ``GenerateJSON("decide", "Scene: {scene}\\nNext action as JSON:", schema=ACTION_SCHEMA,
+    value_key="/action")`` writes e.g. ``{"action": "goto", "target": "kitchen", "speed": 0.5}``.
+    """
+
+    def __init__(self, name: str, prompt: str = "", *, schema: dict | str,
+                 value_key: str = "/llm/value", text_key: str = "/llm/text", **kwargs: Any):
+        if not schema:
+            raise ValueError(f"{name}: give a JSON schema")
+        super().__init__(name, prompt, text_key=text_key, **kwargs)
+        self.schema = schema
+        self.value_key = self._register(value_key, Access.WRITE)
+
+    def _send(self, prompt: str) -> GoalHandle:
+        return self.client.generate_json_async(prompt, self.schema,
+                                               server_timeout=self.server_timeout,
+                                               timeout=self.result_timeout, **self.goal_options)
+
+    def _finish(self, out: Outcome) -> Status:
+        status = super()._finish(out)
+        if status != Status.SUCCESS:
+            self.blackboard.set(self.value_key, None, overwrite=True)
+        return status
+
+    def _write(self, out: Outcome) -> None:
+        self.blackboard.set(self.text_key, out.text, overwrite=True)
+        self.blackboard.set(self.value_key, out.value, overwrite=True)
+        self.feedback_message = f"parsed {type(out.value).__name__} ({len(out.text)} characters)"
 
 
 class SwitchProfile(_LLMBehaviour):

@@ -6,6 +6,8 @@
             print(llm.generate("The capital of France is", max_new_tokens=8).text)
             out = llm.choose("Which room next? The kitchen is dirty.\\nAnswer:", ["kitchen", "hall"])
             print(out.choice, out.choice_index)
+            out = llm.generate_json("Next action as JSON:", {"type": "object", ...})
+            print(out.value)                             # the parsed object (None unless ok)
 
 Errors are data: every call returns an :class:`Outcome` (``ok``, ``status``, ``error_code``,
 ``error_msg``), never raises for a refused goal, a missing server or a timeout.
@@ -19,6 +21,7 @@ the client's lock exists).
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,11 +39,15 @@ STATUS_REJECTED = "REJECTED"
 STATUS_TIMEOUT = "TIMEOUT"
 STATUS_NO_SERVER = "NO_SERVER"
 STATUS_FAILED = "FAILED"  # a service call answered success=false
+# a json_schema/grammar goal that succeeded but whose answer was cut off (max_new_tokens, the
+# context, a stop string) before it was complete: never reported as a success
+STATUS_CUT_OFF = "CUT_OFF"
 
 FEEDBACK_GRACE_S = 1.0  # how long a result waits for feedback still in flight
 
 GOAL_FIELDS = ("task", "max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty",
-               "seed", "stop", "use_chat_template", "compute_ratio", "choices", "length_normalize")
+               "seed", "stop", "use_chat_template", "compute_ratio", "choices", "length_normalize",
+               "json_schema", "grammar")
 
 
 @dataclass
@@ -53,6 +60,8 @@ class Outcome:
     error_msg: str = ""
     choice_index: int = -1
     result: Any = None
+    parsed: bool = False  # a json_schema/grammar goal: the text is complete under it
+    value: Any = None  # a json_schema goal that succeeded: the parsed JSON value
 
     @property
     def ok(self) -> bool:
@@ -128,6 +137,8 @@ class GoalHandle:
         self.feedback = None  # the latest Generate.Feedback
         self.accepted: bool | None = None  # None until the goal response comes
         self.goal_id = None
+        self._constrained = bool(goal.json_schema or goal.grammar)
+        self._json = bool(goal.json_schema)
         action = client.live_action()
         if not action.server_is_ready():
             self._outcome = Outcome(STATUS_NO_SERVER, error_msg=f"no action server "
@@ -178,9 +189,20 @@ class GoalHandle:
         r = response.result
         status = {GoalStatus.STATUS_SUCCEEDED: STATUS_SUCCEEDED,
                   GoalStatus.STATUS_CANCELED: STATUS_CANCELED}.get(response.status, STATUS_ABORTED)
+        out = Outcome(status, r.text, int(r.error_code), r.error_msg, int(r.choice_index), r,
+                      parsed=bool(r.parsed))
+        if status == STATUS_SUCCEEDED and self._constrained:
+            if not r.parsed:
+                out.status = STATUS_CUT_OFF
+                out.error_msg = (f"the answer was cut off (finish_reason {r.finish_reason}) before "
+                                 f"it was complete")
+            elif self._json:
+                try:
+                    out.value = json.loads(r.text)
+                except ValueError as e:  # the grammar guarantees JSON; say so if it did not
+                    out.status, out.error_msg = STATUS_ABORTED, f"the answer is not JSON: {e}"
         with self._lock:
-            self._stream.hold(Outcome(status, r.text, int(r.error_code), r.error_msg,
-                                      int(r.choice_index), r))
+            self._stream.hold(out)
         self._settle()
 
     def _settle(self) -> None:
@@ -319,6 +341,8 @@ class LLMClient:
             raise TypeError(f"unknown Generate goal field(s) {sorted(unknown)}; known: {GOAL_FIELDS}")
         goal = Generate.Goal(prompt=prompt)
         for k, v in options.items():
+            if k == "json_schema" and not isinstance(v, str):
+                v = json.dumps(v)  # a schema given as a dict
             setattr(goal, k, list(v) if k in ("stop", "choices") else v)
         return goal
 
@@ -335,11 +359,21 @@ class LLMClient:
         """A choices goal: the outcome's ``text`` is the chosen option, ``choice_index`` its index."""
         return self.generate_async(prompt, choices=list(choices), **options)
 
+    def generate_json_async(self, prompt: str, schema: dict | str, **options) -> GoalHandle:
+        """A json_schema goal: the outcome's ``value`` is the parsed JSON (status SUCCEEDED
+        only when the answer is complete; CUT_OFF when it was cut off)."""
+        return self.generate_async(prompt, json_schema=schema, **options)
+
     def generate(self, prompt: str, **options) -> Outcome:
         """Generate and wait for the outcome (scripts only; waits ``server_timeout`` for the
         server first)."""
         self.wait_for_server(options.get("server_timeout", self.server_timeout))
         return self.generate_async(prompt, **options).wait()
+
+    def generate_json(self, prompt: str, schema: dict | str, **options) -> Outcome:
+        """Answer with JSON valid under ``schema`` (a dict or its JSON text) and wait (scripts
+        only); ``outcome.value`` is the parsed object when ``outcome.ok``."""
+        return self.generate(prompt, json_schema=schema, **options)
 
     def choose(self, prompt: str, choices: list[str], **options) -> Outcome:
         """Pick one of ``choices`` and wait for the outcome (scripts only)."""

@@ -207,3 +207,39 @@ def test_blackboard_inputs_and_outcome_mapping(llm_graph):
     assert 'blackboard key not set' in missing.feedback_message
     assert 'no choices on /rooms' in empty.feedback_message
     assert g.node.runtime.stats.succeeded == 2 and g.node.runtime.stats.rejected == 0
+
+
+def test_generate_json_writes_the_object_to_the_blackboard(embedded_graph):
+    """The example tree with its GenerateJSON action decision, end to end against the nodes: the
+    decision is an object on /action valid under the schema, and the one the model gives for that
+    prompt directly; an invalid schema fails with the reason and leaves None."""
+    import json
+
+    import jsonschema
+
+    from selectinfer_ros.core.execution.engine import GenerationConfig
+    from selectinfer_ros.ros.behaviours import GenerateJSON
+    from selectinfer_ros.ros.examples import bt_patrol
+    g = embedded_graph
+    assert g.node.runtime.engine.grammars.wait_ready(60.0)  # prepared in the background
+    scene = 'The battery is at 4 percent and the robot is in the kitchen.'
+    write('/scene', scene)
+    root = bt_patrol.create_root(g.namespace, max_new_tokens=8, decide=True)
+    tree = setup_tree(g, root)
+    assert tick_until(tree, lambda: root.status != Status.RUNNING, 180.0)
+    assert root.status == Status.SUCCESS, py_trees.display.unicode_tree(root, show_status=True)
+    action = read('/action')
+    jsonschema.validate(action, bt_patrol.ACTION_SCHEMA)
+    rt = g.node.runtime
+    rt.switch_task('navigation')
+    direct = rt.generate(bt_patrol.ACTION_PROMPT.format(scene=scene), GenerationConfig(
+        max_new_tokens=64, json_schema=json.dumps(bt_patrol.ACTION_SCHEMA)))
+    assert direct.parsed and json.loads(direct.text) == action == json.loads(read('/action_text'))
+    bad = GenerateJSON('bad', 'Scene: {scene}', schema={'type': 'objekt'},
+                       namespace=g.namespace, value_key='/bad', error_key='/err')
+    root2 = py_trees.composites.Sequence('root2', memory=True, children=[bad])
+    tree2 = setup_tree(g, root2)
+    assert tick_until(tree2, lambda: root2.status != Status.RUNNING, 30.0)
+    assert root2.status == Status.FAILURE and read('/bad') is None
+    assert read('/err').startswith('REJECTED')
+    assert 'invalid json_schema' in g.node.snapshot().last_rejection

@@ -11,7 +11,8 @@ import pytest
 
 from selectinfer_msgs.action import Generate
 from selectinfer_ros.ros import client as client_module
-from selectinfer_ros.ros.client import (STATUS_CANCELED, STATUS_FAILED, STATUS_NO_SERVER,
+from selectinfer_ros.ros.client import (STATUS_CANCELED, STATUS_CUT_OFF, STATUS_FAILED,
+                                    STATUS_NO_SERVER,
                                     STATUS_REJECTED, STATUS_SUCCEEDED, STATUS_TIMEOUT, LLMClient,
                                     Outcome, _Stream)
 
@@ -142,3 +143,28 @@ def test_switch_profile_through_the_profile_manager(llm_graph):
     assert refused.status == STATUS_FAILED and 'gamma' in refused.error_msg
     call = llm.switch_profile_async('alpha')
     assert call.wait(60.0).ok and g.node.runtime.task == 'alpha'
+
+
+def test_generate_json_returns_the_parsed_object(llm_graph):
+    """On the embedded model: the outcome's value is the parsed object, valid under the schema;
+    a cut-off answer is CUT_OFF (not ok, no value); an invalid schema is REJECTED with why."""
+    import json
+
+    import jsonschema
+
+    from selectinfer_ros.lab.json_goals import SCHEMAS, prompt_for
+    g = llm_graph(model='', profiles='', task='general', load_ratio=1.0,
+                  compute_ratio=1.0).ready(timeout=180.0)
+    assert g.node.runtime.engine.grammars.wait_ready(60.0)  # prepared in the background
+    llm = make_client(g)
+    name, schema, instruction, example = SCHEMAS[5]  # a list of objects
+    out = llm.generate_json(prompt_for(instruction, example), schema, max_new_tokens=64)
+    assert out.ok and out.parsed and out.result.finish_reason == 'grammar', out
+    jsonschema.validate(out.value, schema)
+    assert out.value == json.loads(out.text) and isinstance(out.value['seen'], list)
+    cut = llm.generate_json(prompt_for(instruction, example), json.dumps(schema), max_new_tokens=3)
+    assert cut.status == STATUS_CUT_OFF and not cut.ok and cut.value is None
+    assert 'cut off (finish_reason length)' in cut.error_msg
+    bad = llm.generate_json('Answer: ', {'type': 'objekt'})
+    assert bad.status == STATUS_REJECTED and bad.value is None
+    assert 'invalid json_schema' in g.node.snapshot().last_rejection

@@ -40,6 +40,8 @@ def test_generate_goal_fields():
         'compute_ratio': 'float',
         'choices': 'sequence<string>',
         'length_normalize': 'boolean',
+        'json_schema': 'string',
+        'grammar': 'string',
     }
 
 
@@ -49,6 +51,7 @@ def test_generate_result_and_feedback_fields():
         'error_msg': 'string',
         'text': 'string',
         'finish_reason': 'string',
+        'parsed': 'boolean',
         'prompt_tokens': 'uint32',
         'generated_tokens': 'uint32',
         'time_to_first_token': 'double',

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
+from .constrain import Constraint, Grammars
 from .decode import Decoder, unsupported
 from .metrics import RequestMetrics
 from ..selection.selective_mlp import SelectionState
@@ -44,8 +45,21 @@ class GenerationConfig:
     special_tokens: bool = False  # control tokens typed in the prompt are read as such
     compute_ratio: float | None = None  # None = the model's setting
     ignore_eos: bool = False  # benchmarks: always produce max_new_tokens
+    json_schema: str = ""  # non-empty: the answer is a JSON document valid under this schema
+    grammar: str = ""  # non-empty: the answer matches this Lark grammar (llguidance's syntax)
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """``(kind, source)`` of the goal's constraint, or None."""
+        if self.json_schema:
+            return "json_schema", self.json_schema
+        if self.grammar:
+            return "grammar", self.grammar
+        return None
 
     def validate(self) -> None:
+        if self.json_schema and self.grammar:
+            raise ValueError("json_schema and grammar are mutually exclusive; give one")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         for name in ("temperature", "top_p", "repetition_penalty"):
@@ -69,9 +83,12 @@ GREEDY_BELOW = 1e-3
 @dataclass
 class GenerationResult:
     text: str
-    finish_reason: str  # stop, length, context_length (the context window ended it), canceled
+    finish_reason: str  # stop, length, context_length (the context window ended it), canceled;
+    # grammar: a constrained answer is complete (the schema's or grammar's end, or EOS there)
     token_ids: list[int]
     metrics: RequestMetrics
+    parsed: bool = False  # a constrained answer that is complete under its schema or grammar
+    mask_seconds: float = 0.0  # time spent computing and applying the grammar's token masks
 
 
 PROMPT_SLOT = "\x00selectinfer-prompt\x00"  # where the prompt goes in a rendered chat template
@@ -263,6 +280,18 @@ class Engine:
         self.decoder: Decoder | None = Decoder(model) if reason is None else None
         self.decode_path = (f"lean decoder, {self.decoder.path}" if reason is None
                             else f"transformers forward ({reason})")
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> Grammars:
+        """The compiler of this model's JSON schemas and grammars (built on first use; call
+        ``grammars.prepare()`` to build its vocabulary in the background)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                vocab = max(int(self.model.config.vocab_size), len(self.tokenizer))
+                self._grammars = Grammars(self.tokenizer, vocab, self.eos_ids)
+            return self._grammars
 
     @classmethod
     def from_selective(cls, sm, context_limit: int | None = None) -> "Engine":
@@ -384,10 +413,24 @@ class Engine:
         return prefill, decode_one_token
 
     def _run(self, ids, config, max_new, metrics, gen, on_text, cancel, t0) -> GenerationResult:
+        constrained = config.constraint  # compiled (or from the cache) before the model runs
+        constraint: Constraint | None = (self.grammars.constraint(*constrained)
+                                         if constrained is not None else None)
         input_ids = torch.tensor([ids], device=self.device)  # [1, T]
         prefill, decode_one_token = self._forward_fns(input_ids, max_new)
         self._start(input_ids)
         greedy = config.temperature < GREEDY_BELOW and config.repetition_penalty == 1.0
+        eos_ids = self.eos_ids
+
+        def next_token(logits: torch.Tensor) -> int:
+            """The one place logits become the next token: grammar mask, then greedy or sampled."""
+            if constraint is not None:
+                constraint.mask_logits(logits)
+            tok = int(torch.argmax(logits)) if greedy else self._sample(logits, config, history, gen)
+            if constraint is not None and tok not in eos_ids:
+                constraint.advance(tok)
+            return tok
+
         history = None
         if not greedy:
             history = torch.zeros(self.model.config.vocab_size, dtype=torch.bool)
@@ -404,7 +447,7 @@ class Engine:
                 raise Canceled
             with self.cancel_between_layers(cancel):
                 logits = prefill()
-            tok = int(torch.argmax(logits)) if greedy else self._sample(logits, config, history, gen)
+            tok = next_token(logits)
             t_first = time.perf_counter()
             metrics.prefill_seconds = metrics.time_to_first_token = t_first - t0
             self._end_prefill(metrics)
@@ -412,8 +455,9 @@ class Engine:
             if sm is not None and sm.state.per_token:
                 counted = sm.counts()
             while True:
-                if tok in self.eos_ids and not config.ignore_eos:
-                    finish = "stop"
+                if tok in eos_ids and not config.ignore_eos:
+                    # constrained: the mask allows EOS only where the answer is complete
+                    finish = "grammar" if constraint is not None and constraint.accepting else "stop"
                     break
                 delta = detok.add(tok)
                 if history is not None:
@@ -427,6 +471,9 @@ class Engine:
                         text = text[:stop_at]
                         finish = "stop"
                         break
+                if constraint is not None and constraint.stopped:
+                    finish = "grammar"  # the grammar ends here: no further token is allowed
+                    break
                 if len(new_ids) >= max_new:
                     if max_new < config.max_new_tokens:
                         finish = "context_length"
@@ -438,7 +485,7 @@ class Engine:
                 if cancel is not None and cancel():
                     raise Canceled
                 logits = decode_one_token(tok)
-                tok = int(torch.argmax(logits)) if greedy else self._sample(logits, config, history, gen)
+                tok = next_token(logits)
         except Canceled:
             finish = "canceled"
         finally:
@@ -453,7 +500,8 @@ class Engine:
             text = text[:emitted]  # what the client has seen; held-back text stays unsaid
         if on_text is not None and len(text) > emitted and finish != "canceled":
             on_text(text[emitted:], len(new_ids))
-        return GenerationResult(text, finish, list(new_ids), metrics)
+        return GenerationResult(text, finish, list(new_ids), metrics, parsed=finish == "grammar",
+                                mask_seconds=constraint.mask_seconds if constraint else 0.0)
 
     @torch.inference_mode()
     def score(self, prefix: list[int], continuation: list[int]) -> torch.Tensor:

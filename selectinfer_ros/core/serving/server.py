@@ -21,6 +21,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..execution.constrain import GrammarError, grammars_available
 from ..execution.engine import (Canceled, ChoiceResult, ContextLengthError, GenerationConfig,
                                 GenerationResult, check_choice_sizes, encode, validate_choices)
 from ..format.safetensors_io import FormatError
@@ -41,6 +42,9 @@ MAX_REASON_CHARS = 400  # a rejection reason kept for diagnostics (last_rejectio
 MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # dividing logits by less overflows
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings a goal may give, characters each
+# a json_schema/grammar goal that comes while the vocabulary is still being prepared (seconds
+# after configure) waits this long, then is refused with NO_MODEL (retry)
+VOCAB_WAIT_SECONDS = 0.5
 
 
 def short(text: str, limit: int = MAX_NAME_CHARS) -> str:
@@ -139,6 +143,12 @@ def goal_config(goal, settings: NodeSettings, rt) -> tuple[GenerationConfig, flo
         known = ", ".join(rt.tasks) or "none (no profiles folder)"
         raise Rejected(UNKNOWN_TASK, f"unknown task {short(goal.task)!r}; tasks: {known}")
     choices = bool(goal.choices)
+    json_schema, grammar = getattr(goal, "json_schema", ""), getattr(goal, "grammar", "")
+    if choices and (json_schema or grammar):
+        raise Rejected(INVALID_GOAL, "choices and json_schema/grammar are mutually exclusive; "
+                                     "give one")
+    if json_schema and grammar:
+        raise Rejected(INVALID_GOAL, "json_schema and grammar are mutually exclusive; give one")
     n = settings.max_new_tokens if choices else (goal.max_new_tokens or settings.max_new_tokens)
     if n > settings.max_new_tokens_limit:
         raise Rejected(INVALID_GOAL, f"max_new_tokens {n} exceeds the limit "
@@ -166,7 +176,8 @@ def goal_config(goal, settings: NodeSettings, rt) -> tuple[GenerationConfig, flo
         repetition_penalty=float(goal.repetition_penalty) if goal.repetition_penalty > 0 else 1.0,
         seed=int(goal.seed) if goal.seed >= 0 else None,
         stop=[s for s in goal.stop if s], use_chat_template=bool(goal.use_chat_template),
-        special_tokens=settings.prompt_special_tokens, compute_ratio=phi_override)
+        special_tokens=settings.prompt_special_tokens, compute_ratio=phi_override,
+        json_schema=json_schema, grammar=grammar)
     try:
         cfg.validate()
     except ValueError as e:
@@ -294,6 +305,8 @@ class Server:
         def build():
             rt = make()
             checker = copy.deepcopy(rt.engine.tokenizer)
+            if grammars_available():
+                rt.engine.grammars.prepare()  # the vocabulary for constrained goals, in background
             return rt, checker
 
         try:
@@ -377,6 +390,26 @@ class Server:
                                  if len(choices) <= MAX_CHOICES_CHECKED else None)
             except ValueError as e:
                 raise Rejected(INVALID_GOAL, f"invalid choices: {e}") from None
+
+    def check_constraint(self, config: GenerationConfig) -> None:
+        """Rejected(INVALID_GOAL) when the goal's JSON schema or grammar is invalid or takes
+        longer than the bound to compile (constrain.COMPILE_SECONDS; compiled off this thread,
+        cached by content: the worker reuses it); Rejected(NO_MODEL) while the model's
+        vocabulary is still being prepared."""
+        constraint = config.constraint
+        if constraint is None:
+            return
+        rt = self.runtime
+        if rt is None:
+            raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
+        grammars = rt.engine.grammars
+        if not grammars.wait_ready(VOCAB_WAIT_SECONDS):  # the goal callback answers at once
+            raise Rejected(NO_MODEL, "constrained decoding is still preparing the model's "
+                                     "vocabulary (a few seconds after configure); retry")
+        try:
+            grammars.compile(*constraint)
+        except GrammarError as e:
+            raise Rejected(INVALID_GOAL, short(str(e), MAX_REASON_CHARS)) from None
 
     def admit(self) -> None:
         """Reserve a place for one goal, or Rejected (not serving, no model, queue full)."""

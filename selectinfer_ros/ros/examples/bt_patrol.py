@@ -2,8 +2,9 @@
 
 Against running nodes (``python -m selectinfer_ros.ros.bringup`` in another shell, or the launch
 file): switch to the ``navigation`` profile, *choose* the next room from a described scene
-(kitchen, hall or dock: an answer the tree can branch on), switch to the ``scene`` profile, and
-*generate* the short status line the robot would say. Prints the tree (ASCII) after every tick
+(kitchen, hall or dock: an answer the tree can branch on), with ``decide`` also *decide* the
+action as a JSON object valid under ACTION_SCHEMA (``GenerateJSON``: ``/action``), switch to the
+``scene`` profile, and *generate* the short status line the robot would say. Prints the tree (ASCII) after every tick
 that changed it and the blackboard at the end; exit status 0 when the tree succeeded.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 import py_trees
 from py_trees.common import Status
 
-from ..behaviours import Choose, Generate, SwitchProfile, close_shared_clients
+from ..behaviours import Choose, Generate, GenerateJSON, SwitchProfile, close_shared_clients
 
 ROOMS = ["kitchen", "hall", "dock"]
 NEXT_ROOM_PROMPT = (
@@ -29,20 +30,36 @@ STATUS_PROMPT = (
     "Scene: The battery is at 8 percent. Destination: dock\n"
     "Robot: My battery is low, so I am going to the dock.\n"
     "Scene: {scene} Destination: {next_room}\nRobot:")
+# the action decision: an object the tree can act on (GenerateJSON writes it to /action)
+ACTION_SCHEMA = {
+    "type": "object",
+    "properties": {"action": {"enum": ["goto", "dock", "wait"]},
+                   "target": {"enum": ROOMS},
+                   "speed": {"type": "number", "minimum": 0.1, "maximum": 1.0}},
+    "required": ["action", "target", "speed"], "additionalProperties": False}
+ACTION_PROMPT = (
+    "The robot decides its next action as JSON.\n"
+    "Scene: The battery is at 8 percent.\n"
+    'Action: {{"action":"dock","target":"dock","speed":0.3}}\n'
+    "Scene: A guest is waiting at the entrance.\n"
+    'Action: {{"action":"goto","target":"hall","speed":0.8}}\n'
+    "Scene: {scene}\nAction: ")
 DEFAULT_SCENE = "Two visitors are waiting at the front door of the hall."
 
 
 def create_root(namespace: str = "llm", choose_task: str = "navigation",
                 status_task: str = "scene", max_new_tokens: int = 24,
-                result_timeout: float = 120.0) -> py_trees.behaviour.Behaviour:
+                result_timeout: float = 120.0, decide: bool = False) -> py_trees.behaviour.Behaviour:
     """The patrol tree; it reads ``/scene`` and writes ``/next_room``, ``/next_room_index``,
-    ``/status`` and ``/llm/error``."""
+    ``/status`` and ``/llm/error`` (with ``decide`` also ``/action``)."""
     common = dict(namespace=namespace, result_timeout=result_timeout)
     root = py_trees.composites.Sequence("patrol", memory=True)
     root.add_children([
         SwitchProfile(f"profile {choose_task}", choose_task, namespace=namespace),
         Choose("where next?", NEXT_ROOM_PROMPT, ROOMS, choice_key="/next_room",
                index_key="/next_room_index", **common),
+    ] + ([GenerateJSON("decide action", ACTION_PROMPT, schema=ACTION_SCHEMA, value_key="/action",
+                       text_key="/action_text", max_new_tokens=64, **common)] if decide else []) + [
         SwitchProfile(f"profile {status_task}", status_task, namespace=namespace),
         Generate("status line", STATUS_PROMPT, text_key="/status", max_new_tokens=max_new_tokens,
                  stop=["\n"], **common),
@@ -60,13 +77,14 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--scene", default=DEFAULT_SCENE, help="what the robot sees")
     ap.add_argument("--namespace", default="llm")
+    ap.add_argument("--no-decide", action="store_true", help="leave out the JSON action decision")
     ap.add_argument("--period", type=float, default=0.1, help="seconds between ticks")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole tree")
     args = ap.parse_args(argv)
 
     context = init_context()
     node = Node("bt_patrol", context=context)
-    root = create_root(args.namespace)
+    root = create_root(args.namespace, decide=not args.no_decide)
     tree = py_trees.trees.BehaviourTree(root)
     writer = py_trees.blackboard.Client(name="scene input")
     writer.register_key("/scene", access=py_trees.common.Access.WRITE)

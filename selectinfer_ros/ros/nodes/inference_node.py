@@ -89,6 +89,7 @@ def result_message(outcome: Outcome) -> Generate.Result:
         return r
     m = res.metrics
     r.text, r.finish_reason = res.text, finish_reason(outcome, res.finish_reason)
+    r.parsed = bool(res.parsed) and outcome.status == "succeeded"
     r.prompt_tokens, r.generated_tokens = m.prompt_tokens, m.generated_tokens
     r.time_to_first_token, r.tokens_per_second = m.time_to_first_token, m.tokens_per_second
     return r
@@ -278,11 +279,12 @@ class InferenceNode(LifecycleNodeMixin, Node):
             rt = self.server.runtime
             if rt is None:
                 raise Rejected("NO_MODEL", f"no model loaded ({self.server.state})")
-            goal_config(goal, self.settings, rt)
+            cfg, _ = goal_config(goal, self.settings, rt)
             tokens = self.server.check_prompt(goal.prompt, bool(goal.use_chat_template),
                                               self.settings.prompt_special_tokens)
             if goal.choices:
                 self.server.check_choices(list(goal.choices), tokens)
+            self.server.check_constraint(cfg)  # json_schema / grammar: compiled (bounded), cached
             self.server.admit()
             return GoalResponse.ACCEPT
         except Rejected as e:

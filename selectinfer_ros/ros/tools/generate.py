@@ -32,7 +32,14 @@ def goal_options(args) -> dict:
                 seed=args.seed, stop=[text_of(args, s) for s in args.stop],
                 use_chat_template=args.chat, compute_ratio=args.compute_ratio,
                 choices=[text_of(args, c.strip()) for c in args.choices.split(",")]
-                if args.choices else [], length_normalize=args.length_normalize)
+                if args.choices else [], length_normalize=args.length_normalize,
+                json_schema=_file_text(args.json_schema), grammar=_file_text(args.grammar))
+
+
+def _file_text(path: str | None) -> str:
+    """The text of a schema or grammar file ("" for none)."""
+    from pathlib import Path
+    return Path(path).read_text(encoding="utf-8") if path else ""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--choices", default="", help="comma-separated options: answer with one")
     ap.add_argument("--length-normalize", action="store_true",
                     help="rank choices by mean log-prob per token")
+    ap.add_argument("--json-schema", metavar="FILE", help="answer with JSON valid under this schema")
+    ap.add_argument("--grammar", metavar="FILE", help="answer in this Lark grammar (llguidance)")
     ap.add_argument("--namespace", default="llm")
     ap.add_argument("--server-timeout", type=float, default=10.0,
                     help="seconds to wait for the action server and the goal response")

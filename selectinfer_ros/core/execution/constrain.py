@@ -1,0 +1,291 @@
+"""Constrained decoding: a goal's JSON schema or grammar turned into an allowed-token mask per
+step (llguidance; see docs/results/constrained-decoding.md for why that library).
+
+ROS-free. :class:`Grammars` belongs to one tokenizer: it builds llguidance's view of the
+vocabulary once (seconds for a 262k vocabulary; :meth:`Grammars.prepare` runs it in the
+background when a model is loaded), compiles a goal's constraint within COMPILE_SECONDS (in a
+worker thread; llguidance releases the GIL while it compiles) and caches compiled constraints by
+content (the last CACHE_SIZE). :class:`Constraint` is one request's state: :meth:`mask_logits`
+sets every token the grammar forbids to ``-inf`` (in place, with buffers reused from step to
+step), :meth:`advance` feeds it the chosen token.
+
+Grammar syntax: Lark, as llguidance takes it (https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md):
+rules ``name: ...``, terminals ``NAME: ...``, regular expressions ``/.../``, the start rule
+``start``; ``%json {...}`` embeds a JSON schema. JSON schemas: draft 2020-12 as llguidance
+supports it (objects, arrays with minItems/maxItems, enums, const, integer and number ranges,
+string patterns and lengths, anyOf/oneOf, $ref); answers are compact (no whitespace between
+tokens).
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+COMPILE_SECONDS = 0.5  # a schema or grammar that takes longer to compile is refused
+CACHE_SIZE = 32  # compiled constraints kept (by content)
+MAX_SOURCE_CHARS = 64 * 1024  # a longer schema or grammar is refused before compiling
+TOKENIZER_WAIT_SECONDS = 60.0  # a check waits this long for the vocabulary being prepared
+KINDS = ("json_schema", "grammar")
+# JSON answers without whitespace between tokens: fewer tokens, and a model cannot ramble in
+# whitespace; llguidance's parser limits keep one mask step bounded
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+# llguidance's vocabularies by tokenizer (folder, size, vocabulary, EOS): a model loaded again in
+# the same process (a node's cleanup and configure) does not build its vocabulary again
+VOCABS_KEPT = 4
+_VOCABS: collections.OrderedDict = collections.OrderedDict()
+_VOCABS_LOCK = threading.Lock()
+
+
+class GrammarError(ValueError):
+    """A schema or grammar refused (invalid, or too costly to compile), with the reason."""
+
+
+def grammars_available() -> bool:
+    """True when llguidance (the constrained-decoding library) is installed."""
+    import importlib.util
+    return importlib.util.find_spec("llguidance") is not None
+
+
+def _limits():
+    import llguidance
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+@dataclass
+class Compiled:
+    """A compiled constraint: a pristine matcher copied per request."""
+
+    kind: str
+    matcher: object  # llguidance.LLMatcher in its start state
+    seconds: float  # compile time (including the first mask)
+
+
+def grammar_text(kind: str, source: str) -> str:
+    """llguidance's grammar for a ``json_schema`` or a Lark ``grammar``; GrammarError when the
+    schema is not a JSON object."""
+    import llguidance
+    if kind == "json_schema":
+        try:
+            schema = json.loads(source)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+        if isinstance(schema, bool):
+            schema = {} if schema else {"not": {}}
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except ValueError as e:
+            raise GrammarError(f"invalid json_schema: {e}") from None
+    if kind == "grammar":
+        return llguidance.LLMatcher.grammar_from_lark(source)
+    raise GrammarError(f"unknown constraint kind {kind!r}")
+
+
+class Grammars:
+    """Compiles and caches constraints for one tokenizer (thread-safe)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, *,
+                 compile_seconds: float = COMPILE_SECONDS, cache_size: int = CACHE_SIZE):
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.eos_ids = sorted(int(i) for i in eos_ids)
+        self.compile_seconds = compile_seconds
+        self.cache_size = cache_size
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[tuple[str, str], Compiled | GrammarError] = \
+            collections.OrderedDict()
+        self._lltok = None
+        self._lltok_error: BaseException | None = None
+        self._ready = threading.Event()
+        self._started = False
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="selectinfer-grammar")
+        self.compile_times: collections.deque[float] = collections.deque(maxlen=1000)
+
+    # ---- the vocabulary --------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Start building llguidance's vocabulary in the background (once)."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        threading.Thread(target=self._build, name="selectinfer-grammar-vocab", daemon=True).start()
+
+    def _build(self) -> None:
+        try:
+            key = (str(getattr(self.tokenizer, "name_or_path", "")), len(self.tokenizer),
+                   self.vocab_size, tuple(self.eos_ids))
+            with _VOCABS_LOCK:
+                self._lltok = _VOCABS.get(key) if key[0] else None
+            if self._lltok is None:
+                import llguidance
+                backend = self.tokenizer.backend_tokenizer
+                self._lltok = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                                     eos_token=self.eos_ids or None)
+                with _VOCABS_LOCK:
+                    _VOCABS[key] = self._lltok
+                    while len(_VOCABS) > VOCABS_KEPT:
+                        _VOCABS.popitem(last=False)
+        except ImportError:
+            self._lltok_error = ImportError("llguidance is not installed (pip install llguidance)")
+        except BaseException as e:  # noqa: BLE001 - reported by every check
+            self._lltok_error = e
+        finally:
+            self._ready.set()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """True once the vocabulary is prepared (or failed: the compile then says why)."""
+        self.prepare()
+        return self._ready.wait(timeout)
+
+    def lltokenizer(self, wait: float = TOKENIZER_WAIT_SECONDS):
+        self.prepare()
+        if not self._ready.wait(wait):
+            raise GrammarError("constrained decoding is still preparing this model's vocabulary; "
+                               "try again in a few seconds")
+        if self._lltok_error is not None:
+            raise GrammarError(f"constrained decoding is unavailable: "
+                               f"{type(self._lltok_error).__name__}: {self._lltok_error}")
+        return self._lltok
+
+    # ---- compiling -------------------------------------------------------------------------
+    def compile(self, kind: str, source: str) -> Compiled:
+        """The compiled ``kind`` constraint (cached by content), or GrammarError with the reason:
+        not valid, or not compiled within ``compile_seconds`` (that verdict is cached too, so a
+        repeated costly goal is refused at once)."""
+        if kind not in KINDS:
+            raise GrammarError(f"unknown constraint kind {kind!r}")
+        if not source.strip():
+            raise GrammarError(f"empty {kind}")
+        if len(source) > MAX_SOURCE_CHARS:
+            raise GrammarError(f"{kind} has {len(source)} characters; at most {MAX_SOURCE_CHARS}")
+        key = (kind, hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest())
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if hit is None:
+            hit = self._compile(kind, source)
+            with self._lock:
+                self._cache[key] = hit
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        if isinstance(hit, GrammarError):
+            raise GrammarError(str(hit))
+        return hit
+
+    def _compile(self, kind: str, source: str) -> Compiled | GrammarError:
+        lltok = self.lltokenizer()
+        try:
+            text = grammar_text(kind, source)
+        except GrammarError as e:
+            return e
+        t0 = time.perf_counter()
+        future = self._pool.submit(_build_matcher, lltok, text, self.vocab_size)
+        try:
+            matcher, error = future.result(timeout=self.compile_seconds)
+        except FutureTimeout:
+            return GrammarError(f"{kind} too costly: not compiled within "
+                                f"{self.compile_seconds:g} s")
+        seconds = time.perf_counter() - t0
+        if error:
+            return GrammarError(f"invalid {kind}: {_first_line(error)}")
+        self.compile_times.append(seconds)
+        return Compiled(kind, matcher, seconds)
+
+    def constraint(self, kind: str, source: str) -> "Constraint":
+        """A fresh request state for the ``kind`` constraint ``source``."""
+        return Constraint(self.compile(kind, source).matcher.deep_copy(), self.vocab_size)
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    """The error's text on one line, at most ``limit`` characters (llguidance's may be long)."""
+    line = " ".join(s.strip() for s in str(text).splitlines() if s.strip())
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def _build_matcher(lltok, text: str, vocab_size: int):
+    """(matcher, error): llguidance compiles lazily, so the first mask is computed here too."""
+    import llguidance
+    m = llguidance.LLMatcher(lltok, text, log_level=0, limits=_limits())
+    if m.is_error():
+        return None, m.get_error()
+    bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+    m.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+    if m.is_error():
+        return None, m.get_error()
+    if not bool(bits.any()):
+        return None, "the grammar allows no token at the start"
+    return m, ""
+
+
+class Constraint:
+    """One request's grammar state and its mask buffers (allocated once per request)."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        words = (vocab_size + 31) // 32
+        self._bits = np.zeros(words, dtype=np.int32)  # llguidance's mask: bit set = allowed
+        self._forbidden_bits = np.zeros(words, dtype=np.int32)
+        self._device_forbidden: torch.Tensor | None = None
+        self.mask_seconds = 0.0  # time spent on the grammar: masks computed and applied, tokens fed
+        self.steps = 0
+
+    def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [V] with every token the grammar forbids at this step set to -inf (in
+        place); GrammarError when the grammar is in an error state."""
+        t0 = time.perf_counter()
+        m = self.matcher
+        m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if m.is_error():
+            raise GrammarError(f"constrained decoding failed: {_first_line(m.get_error())}")
+        np.invert(self._bits, out=self._forbidden_bits)
+        # one byte per token (little-endian bit order: bit j of word w is token 32 w + j)
+        forbidden = torch.from_numpy(np.unpackbits(self._forbidden_bits.view(np.uint8),
+                                                   bitorder="little").view(np.bool_))
+        n = logits.shape[-1]
+        if n > forbidden.numel():  # more logits than the vocabulary: the extra rows never allowed
+            logits[forbidden.numel():] = float("-inf")
+            logits = logits[:forbidden.numel()]
+        else:
+            forbidden = forbidden[:n]
+        if logits.device.type != "cpu":
+            if self._device_forbidden is None:
+                self._device_forbidden = torch.empty_like(forbidden, device=logits.device)
+            self._device_forbidden.copy_(forbidden)
+            forbidden = self._device_forbidden
+        logits.masked_fill_(forbidden, float("-inf"))
+        self.mask_seconds += time.perf_counter() - t0
+        self.steps += 1
+        return logits
+
+    def advance(self, token: int) -> None:
+        """Feed the chosen token; GrammarError if the grammar refuses it."""
+        t0 = time.perf_counter()
+        ok = self.matcher.consume_token(int(token))
+        self.mask_seconds += time.perf_counter() - t0
+        if not ok:
+            raise GrammarError(f"constrained decoding failed: "
+                               f"{_first_line(self.matcher.get_error())}")
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and allows no further token (end of generation)."""
+        return bool(self.matcher.is_stopped())
+
+    @property
+    def accepting(self) -> bool:
+        """The text so far is a complete answer under the grammar."""
+        return bool(self.matcher.is_accepting())
