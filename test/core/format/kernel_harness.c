@@ -2,7 +2,8 @@
    instruction-set path (for aarch64, run under qemu-user on other machines), it prints
    - "isa <name>",
    - "linear <i> <threads> <values...>": si_linear_i8 over shapes with odd block counts,
-     partial blocks and column prefixes of wider rows, on 1 and 2 threads,
+     partial blocks and column prefixes of wider rows, on 1 and 2 threads (shapes 8-11:
+     M >= 4, the blocked product of a prefill),
    - "q4 <i> <threads> <values...>": si_linear_q4 (4-bit rows) likewise,
    - "axpy <i> <threads> <values...>": si_axpy_q4 (the down product of 4-bit records),
    - "decode <pos> <values...>": the hidden state after si_decode_layers of a small random
@@ -244,6 +245,22 @@ int main(int argc, char **argv) {
         print("kept4t", pos, 0, kf, 2);
         float cf[2] = {(float)cand[0], (float)cand[1]};
         if (cands) print("cand4t", pos, 0, cf, 2);
+    }
+
+    /* M >= 4 (after the rest, which keeps its random draws): the blocked product of a prefill,
+       tiles of weight rows with a partial last one, odd block counts, a partial block, K beyond
+       one chunk of blocks, M not a multiple of the rows per pass */
+    static const int64_t gemm[][4] = {{50, 1000, 9, 1013}, {100, 96, 4, 96}, {7, 45, 5, 45},
+                                      {33, 2080, 6, 2080}};
+    for (int i = 0; i < 4; i++) {
+        int64_t N = gemm[i][0], K = gemm[i][1], M = gemm[i][2], ld = gemm[i][3];
+        int8_t *w = qrows(N * ld);
+        float *scale = frand(N, 0.001f, 0.02f), *x = frand(M * K, -2.0f, 2.0f);
+        float *y = malloc((size_t)(M * N) * sizeof(float));
+        for (int threads = 1; threads <= 2; threads++) {
+            if (si_linear_i8(x, M, K, w, N, ld, i % 2 ? NULL : scale, y, threads) != 0) return 1;
+            print("linear", 8 + i, threads, y, M * N);
+        }
     }
     return 0;
 }

@@ -19,9 +19,12 @@ from selectinfer_ros.core.format.pack import pack
 
 # K: odd block counts (the AVX-512 paths take two blocks at once), partial blocks, K < 32, one
 # block, two (one AVX-512 pair, no eight-block group: a tiny model's rows, 24 activation rows),
-# nine (AVX2: eight blocks at once and one alone)
+# nine (AVX2: eight blocks at once and one alone); M >= 4 takes the blocked product of a prefill
+# (AVX-512 VNNI, NEON): tiles of rows with a partial last one, K beyond one chunk of blocks, M
+# not a multiple of the rows per pass
 SHAPES = [(7, 45, 3), (64, 640, 1), (130, 2048, 5), (33, 31, 2), (9, 96, 1), (12, 100, 2),
-          (5, 160, 1), (64, 1024, 1), (16, 32, 2), (64, 64, 24), (8, 288, 1)]
+          (5, 160, 1), (64, 1024, 1), (16, 32, 2), (64, 64, 24), (8, 288, 1), (97, 1100, 4),
+          (50, 1000, 13), (49, 2080, 64)]
 
 
 def _linear(k: kernel.Kernel, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None,

@@ -350,18 +350,323 @@ static void rows_q(const int8_t *w, int64_t ldw, int64_t K, const float *scale, 
     }
 }
 
+/* ---------------------------------------------------------------------------------------
+   Many activation rows (a prompt's prefill: M >= GEMM_MIN_M): a blocked product. A tile of GN
+   weight rows is repacked, KC blocks at a time, so that one vector holds the same four columns
+   (a "quad") of consecutive rows: pk[b][q][GN][4] for block b, quad q of the block (8 quads of
+   4 bytes). Against it, GM activation rows at a time: each quad of an activation row is
+   broadcast and multiplied into the lanes of every row of the tile (one vpdpbusd / maddubs /
+   sdot per 16 / 8 / 4 rows), and the integer sums of a block are scaled once by its activation
+   scale. Every block's integer product is exact, as on the row path; only the order of the
+   float sums differs. Each weight row is read from memory once per call, as on the row path,
+   and from the cache once per GM activation rows.
+
+   AVX-512 VNNI multiplies unsigned by signed bytes: the activations are stored offset, u = xq +
+   128, and each block's accumulator starts at -128 * (the sum of its weights in each lane),
+   computed once per tile (negc), so the block's sum is exactly sum xq * w. AVX2, AVX-VNNI and
+   AVX-512BW (256 bits) move the activation quad's signs onto the weights (|x| unsigned, as on
+   the row path); NEON's sdot is signed by signed. Plain C takes the row path (the reference).
+   Tile sizes measured on Zen 4 (forcing each path): per-product rates 3.4-5.4x the row path's
+   with VNNI, about 2x with AVX2 and AVX-512BW. */
+#if defined(SI_AVX2) || defined(SI_AVX512) || defined(SI_NEON_DOT)
+#define SI_GEMM 1
+#ifndef GEMM_MIN_M
+#define GEMM_MIN_M 4 /* fewer activation rows take the row path */
+#endif
+#if defined(SI_VNNI512) /* weight rows per tile, activation rows per pass: 32, 64 rows slower */
+#define VL 16 /* int32 lanes: weight rows per vector */
+#define GN_BEST 48
+#define GM_BEST 4
+#elif defined(SI_NEON_DOT)
+#define VL 4
+#define GN_BEST 8
+#define GM_BEST 4
+#elif defined(SI_AVX512) /* AVX-512BW without VNNI: the 256-bit tile, 32 registers */
+#define VL 8
+#define GN_BEST 24
+#define GM_BEST 4
+#else /* AVX2, AVX-VNNI: 16 registers */
+#define VL 8
+#define GN_BEST 24
+#define GM_BEST 2
+#endif
+#ifndef GN
+#define GN GN_BEST
+#endif
+#ifndef GM
+#define GM GM_BEST
+#endif
+#define NJ (GN / VL) /* vectors per quad of a tile */
+
+#if defined(SI_VNNI512)
+/* r[i] (16 int32 each) -> r[c] = {r[0][c], ..., r[15][c]}. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int c = 0; c < 4; c++) {
+            t[8 * i + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0x88);
+            t[8 * i + 4 + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0xDD);
+        }
+    for (int c = 0; c < 8; c++) {
+        r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xDD);
+    }
+}
+#endif
+
+/* Rows [n0, n0 + GN) of w (rows >= N read as zero), the nfull full blocks -> pk [nfull][8][GN][4]
+   (AVX-512: 16 rows x 16 quads at a time, one transpose in registers). */
+static void repack(const int8_t *w, int64_t ldw, int64_t N, int64_t n0, int64_t nfull, int8_t *pk) {
+    const int64_t quads = nfull * (QK / 4);
+    int64_t c0 = 0;
+#if defined(SI_VNNI512)
+    for (; c0 + 16 <= quads; c0 += 16)
+        for (int j = 0; j < NJ; j++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t n = n0 + j * VL + i;
+                r[i] = n < N ? _mm512_loadu_si512(w + n * ldw + c0 * 4) : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            for (int c = 0; c < 16; c++) _mm512_storeu_si512(pk + ((c0 + c) * GN + j * VL) * 4, r[c]);
+        }
+#endif
+    for (int64_t r = 0; r < GN; r++) {
+        int8_t *o = pk + r * 4;
+        if (n0 + r >= N) {
+            for (int64_t c = c0; c < quads; c++) memset(o + c * GN * 4, 0, 4);
+            continue;
+        }
+        const int8_t *src = w + (n0 + r) * ldw;
+        for (int64_t c = c0; c < quads; c++) memcpy(o + c * GN * 4, src + c * 4, 4);
+    }
+}
+
+#if defined(SI_VNNI512)
+/* negc [nfull][GN]: -128 * the sum of each lane's four weights over each block's quads. */
+static void offsets(const int8_t *pk, int64_t nfull, int32_t *negc) {
+    const __m512i k80 = _mm512_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nfull; b++)
+        for (int j = 0; j < NJ; j++) {
+            __m512i s = _mm512_setzero_si512();
+            for (int q = 0; q < QK / 4; q++)
+                s = _mm512_dpbusd_epi32(s, k80, _mm512_loadu_si512(pk + ((b * 8 + q) * GN + j * VL) * 4));
+            _mm512_storeu_si512(negc + b * GN + j * VL, _mm512_sub_epi32(_mm512_setzero_si512(), s));
+        }
+}
+
+/* out [GM][GN] = the tile's products with activation rows u [GM][ldu] (offset bytes), their
+   block scales xd [GM][ldd]. */
+static void tile_product(const int8_t *pk, const int32_t *negc, const uint8_t *u, int64_t ldu,
+                         const float *xd, int64_t ldd, int64_t nfull, float *out, int add) {
+    __m512 f[GM][NJ];
+    for (int m = 0; m < GM; m++)
+        for (int j = 0; j < NJ; j++)
+            f[m][j] = add ? _mm512_loadu_ps(out + m * GN + j * VL) : _mm512_setzero_ps();
+    for (int64_t b = 0; b < nfull; b++) {
+        __m512i a[GM][NJ];
+        for (int j = 0; j < NJ; j++) {
+            const __m512i c = _mm512_loadu_si512(negc + b * GN + j * VL);
+            for (int m = 0; m < GM; m++) a[m][j] = c;
+        }
+        const int8_t *p = pk + b * 8 * GN * 4;
+        for (int q = 0; q < QK / 4; q++) {
+            __m512i w[NJ];
+            for (int j = 0; j < NJ; j++) w[j] = _mm512_loadu_si512(p + (q * GN + j * VL) * 4);
+            for (int m = 0; m < GM; m++) {
+                int32_t v;
+                memcpy(&v, u + m * ldu + b * QK + q * 4, 4);
+                const __m512i xb = _mm512_set1_epi32(v);
+                for (int j = 0; j < NJ; j++) a[m][j] = _mm512_dpbusd_epi32(a[m][j], xb, w[j]);
+            }
+        }
+        for (int m = 0; m < GM; m++) {
+            const __m512 s = _mm512_set1_ps(xd[m * ldd + b]);
+            for (int j = 0; j < NJ; j++)
+                f[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][j]), s, f[m][j]);
+        }
+    }
+    for (int m = 0; m < GM; m++)
+        for (int j = 0; j < NJ; j++) _mm512_storeu_ps(out + m * GN + j * VL, f[m][j]);
+}
+#elif defined(SI_NEON_DOT)
+#define LANE_STEP(L)                                                                           \
+    do {                                                                                       \
+        const int8x16_t w0 = vld1q_s8(p + (qq * 4 + L) * GN * 4);                             \
+        const int8x16_t w1 = vld1q_s8(p + (qq * 4 + L) * GN * 4 + 16);                        \
+        for (int m = 0; m < GM; m++) {                                                         \
+            a[m][0] = vdotq_laneq_s32(a[m][0], w0, xv[m], L);                                  \
+            a[m][1] = vdotq_laneq_s32(a[m][1], w1, xv[m], L);                                  \
+        }                                                                                      \
+    } while (0)
+
+static void tile_product(const int8_t *pk, const int32_t *negc, const uint8_t *u, int64_t ldu,
+                         const float *xd, int64_t ldd, int64_t nfull, float *out, int add) {
+    (void)negc;
+    const int8_t *xq = (const int8_t *)u;
+    float32x4_t f[GM][2];
+    for (int m = 0; m < GM; m++)
+        for (int j = 0; j < 2; j++) f[m][j] = add ? vld1q_f32(out + m * GN + j * 4) : vdupq_n_f32(0.0f);
+    for (int64_t b = 0; b < nfull; b++) {
+        int32x4_t a[GM][2];
+        for (int m = 0; m < GM; m++) a[m][0] = a[m][1] = vdupq_n_s32(0);
+        const int8_t *p = pk + b * 8 * GN * 4;
+        for (int qq = 0; qq < 2; qq++) {
+            int8x16_t xv[GM];
+            for (int m = 0; m < GM; m++) xv[m] = vld1q_s8(xq + m * ldu + b * QK + qq * 16);
+            LANE_STEP(0);
+            LANE_STEP(1);
+            LANE_STEP(2);
+            LANE_STEP(3);
+        }
+        for (int m = 0; m < GM; m++) {
+            f[m][0] = vfmaq_n_f32(f[m][0], vcvtq_f32_s32(a[m][0]), xd[m * ldd + b]);
+            f[m][1] = vfmaq_n_f32(f[m][1], vcvtq_f32_s32(a[m][1]), xd[m * ldd + b]);
+        }
+    }
+    for (int m = 0; m < GM; m++) {
+        vst1q_f32(out + m * GN, f[m][0]);
+        vst1q_f32(out + m * GN + 4, f[m][1]);
+    }
+}
+#else /* AVX2, AVX-VNNI, AVX-512BW: 256-bit, the activations' signs moved onto the weights */
+static void tile_product(const int8_t *pk, const int32_t *negc, const uint8_t *u, int64_t ldu,
+                         const float *xd, int64_t ldd, int64_t nfull, float *out, int add) {
+    (void)negc;
+    const int8_t *xq = (const int8_t *)u;
+#if !defined(SI_AVXVNNI)
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    __m256 f[GM][NJ];
+    for (int m = 0; m < GM; m++)
+        for (int j = 0; j < NJ; j++)
+            f[m][j] = add ? _mm256_loadu_ps(out + m * GN + j * VL) : _mm256_setzero_ps();
+    for (int64_t b = 0; b < nfull; b++) {
+        __m256i a[GM][NJ];
+        for (int m = 0; m < GM; m++)
+            for (int j = 0; j < NJ; j++) a[m][j] = _mm256_setzero_si256();
+        const int8_t *p = pk + b * 8 * GN * 4;
+        for (int q = 0; q < QK / 4; q++) {
+            __m256i w[NJ];
+            for (int j = 0; j < NJ; j++) w[j] = _mm256_loadu_si256((const __m256i *)(p + (q * GN + j * VL) * 4));
+            for (int m = 0; m < GM; m++) {
+                int32_t v;
+                memcpy(&v, xq + m * ldu + b * QK + q * 4, 4);
+                const __m256i xb = _mm256_set1_epi32(v), ax = _mm256_sign_epi8(xb, xb);
+                for (int j = 0; j < NJ; j++) {
+                    const __m256i sw = _mm256_sign_epi8(w[j], xb);
+#if defined(SI_AVXVNNI)
+                    a[m][j] = _mm256_dpbusd_avx_epi32(a[m][j], ax, sw);
+#else
+                    a[m][j] = _mm256_add_epi32(a[m][j], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), ones));
+#endif
+                }
+            }
+        }
+        for (int m = 0; m < GM; m++) {
+            const __m256 s = _mm256_set1_ps(xd[m * ldd + b]);
+            for (int j = 0; j < NJ; j++)
+                f[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[m][j]), s, f[m][j]);
+        }
+    }
+    for (int m = 0; m < GM; m++)
+        for (int j = 0; j < NJ; j++) _mm256_storeu_ps(out + m * GN + j * VL, f[m][j]);
+}
+#endif
+
+/* y = scale * (W . x) for M >= GEMM_MIN_M activation rows, quantized as xq [Mp][nb * QK] (Mp:
+   M rounded up to GM, rows beyond M zero), xd [Mp][nb]. Tiles of GN rows are shared among the
+   threads; a tile is repacked and multiplied KC blocks at a time (the repacked part stays in the
+   first-level cache while every activation row passes over it), the float sums kept in acc
+   [Mp][GN]. The last partial block (K % QK) is added exactly in float. */
+#ifndef KC
+#define KC 32
+#endif
+static int gemm_i8(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N, int64_t ldw,
+                   const float *scale, float *y, int8_t *xq, const float *xd, int threads) {
+    const int64_t nb = (K + QK - 1) / QK, nfull = K / QK, from = nfull * QK, ldu = nb * QK;
+    const int64_t tiles = (N + GN - 1) / GN, Mp = (M + GM - 1) / GM * GM;
+#if defined(SI_VNNI512)
+    for (int64_t i = 0; i < Mp * ldu; i++) xq[i] = (int8_t)((uint8_t)xq[i] ^ 0x80); /* u = xq + 128 */
+#endif
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int8_t *pk = (int8_t *)aligned_alloc(64, (size_t)(KC * QK * GN));
+        int32_t *negc = (int32_t *)aligned_alloc(64, (size_t)(KC * GN) * sizeof(int32_t));
+        float *acc = (float *)aligned_alloc(64, (size_t)(Mp * GN) * sizeof(float));
+        if (!pk || !negc || !acc) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            int64_t t0, t1;
+            share(tiles, team_id(), team_size(), &t0, &t1);
+            for (int64_t t = t0; t < t1; t++) {
+                const int64_t n0 = t * GN;
+                if (nfull == 0) memset(acc, 0, (size_t)(Mp * GN) * sizeof(float));
+                for (int64_t b0 = 0; b0 < nfull; b0 += KC) {
+                    const int64_t kb = nfull - b0 < KC ? nfull - b0 : KC;
+                    repack(w + b0 * QK, ldw, N, n0, kb, pk);
+#if defined(SI_VNNI512)
+                    offsets(pk, kb, negc);
+#endif
+                    for (int64_t m0 = 0; m0 < Mp; m0 += GM)
+                        tile_product(pk, negc, (const uint8_t *)xq + m0 * ldu + b0 * QK, ldu,
+                                     xd + m0 * nb + b0, nb, kb, acc + m0 * GN, b0 > 0);
+                }
+                for (int64_t m = 0; m < M; m++)
+                    for (int64_t n = n0; n < N && n < n0 + GN; n++) {
+                        float v = acc[m * GN + (n - n0)];
+                        if (from < K) v += tail(w + n * ldw, from, K, x + m * K);
+                        y[m * N + n] = scale ? v * scale[n] : v;
+                    }
+            }
+        }
+        free(pk);
+        free(negc);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}
+#endif /* SI_GEMM */
+
 int si_linear_i8(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N, int64_t ldw,
                  const float *scale, float *y, int threads) {
     int64_t nb = (K + QK - 1) / QK;
-    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * nb * QK + 63) / 64 * 64));
-    float *xd = (float *)malloc((size_t)(M * nb) * sizeof(float));
+#ifdef SI_GEMM
+    const int64_t Mp = M >= GEMM_MIN_M ? (M + GM - 1) / GM * GM : M;
+#else
+    const int64_t Mp = M;
+#endif
+    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((Mp * nb * QK + 63) / 64 * 64));
+    float *xd = (float *)calloc((size_t)(Mp * nb), sizeof(float));
     if (!xq || !xd) {
         free(xq);
         free(xd);
         return -1;
     }
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * nb * QK, xd + m * nb);
+    memset(xq + M * nb * QK, 0, (size_t)((Mp - M) * nb * QK));
     threads = clamp_threads(threads);
+    int rc = 0;
+#ifdef SI_GEMM
+    if (M >= GEMM_MIN_M) {
+        rc = gemm_i8(x, M, K, w, N, ldw, scale, y, xq, xd, threads);
+        free(xq);
+        free(xd);
+        return rc;
+    }
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int64_t n0, n1;
@@ -374,7 +679,7 @@ int si_linear_i8(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t 
     }
     free(xq);
     free(xd);
-    return 0;
+    return rc;
 }
 
 /* ---------------------------------------------------------------------------------------
