@@ -89,6 +89,23 @@ static uint8_t *records4(int64_t n, int64_t H) {
     return r;
 }
 
+/* si_linear_i8 over shapes {N, K, M, ldw} on 1 and 2 threads, printed as "linear" cases first,
+   first + 1, ... (odd cases without row scales); nonzero if the kernel fails. */
+static int linear_cases(const int64_t (*shapes)[4], int n, int first) {
+    for (int i = 0; i < n; i++) {
+        int64_t N = shapes[i][0], K = shapes[i][1], M = shapes[i][2], ld = shapes[i][3];
+        int8_t *w = qrows(N * ld);
+        float *scale = frand(N, 0.001f, 0.02f), *x = frand(M * K, -2.0f, 2.0f);
+        float *y = malloc((size_t)(M * N) * sizeof(float));
+        for (int threads = 1; threads <= 2; threads++) {
+            if (si_linear_i8(x, M, K, w, N, ld, (first + i) % 2 ? NULL : scale, y, threads) != 0)
+                return 1;
+            print("linear", first + i, threads, y, M * N);
+        }
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     int cands = argc > 1 && strcmp(argv[1], "candidates") == 0; /* print candt, cand4t */
     printf("isa %s\n", si_isa());
@@ -96,16 +113,7 @@ int main(int argc, char **argv) {
                                         {7, 45, 3, 45},    {64, 640, 1, 640}, {33, 31, 2, 40},
                                         {9, 96, 1, 96},    {12, 100, 2, 130}, {5, 160, 1, 160},
                                         {130, 2048, 2, 2048}, {16, 1024, 1, 1100}};
-    for (int i = 0; i < (int)(sizeof shapes / sizeof shapes[0]); i++) {
-        int64_t N = shapes[i][0], K = shapes[i][1], M = shapes[i][2], ld = shapes[i][3];
-        int8_t *w = qrows(N * ld);
-        float *scale = frand(N, 0.001f, 0.02f), *x = frand(M * K, -2.0f, 2.0f);
-        float *y = malloc((size_t)(M * N) * sizeof(float));
-        for (int threads = 1; threads <= 2; threads++) {
-            if (si_linear_i8(x, M, K, w, N, ld, i % 2 ? NULL : scale, y, threads) != 0) return 1;
-            print("linear", i, threads, y, M * N);
-        }
-    }
+    if (linear_cases(shapes, (int)(sizeof shapes / sizeof shapes[0]), 0) != 0) return 1;
 
     static const int64_t q4shapes[][3] = {{7, 64, 3}, {64, 640, 1}, {33, 96, 2}, {130, 2048, 2}};
     for (int i = 0; i < 4; i++) {
@@ -252,15 +260,6 @@ int main(int argc, char **argv) {
        one chunk of blocks, M not a multiple of the rows per pass */
     static const int64_t gemm[][4] = {{50, 1000, 9, 1013}, {100, 96, 4, 96}, {7, 45, 5, 45},
                                       {33, 2080, 6, 2080}};
-    for (int i = 0; i < 4; i++) {
-        int64_t N = gemm[i][0], K = gemm[i][1], M = gemm[i][2], ld = gemm[i][3];
-        int8_t *w = qrows(N * ld);
-        float *scale = frand(N, 0.001f, 0.02f), *x = frand(M * K, -2.0f, 2.0f);
-        float *y = malloc((size_t)(M * N) * sizeof(float));
-        for (int threads = 1; threads <= 2; threads++) {
-            if (si_linear_i8(x, M, K, w, N, ld, i % 2 ? NULL : scale, y, threads) != 0) return 1;
-            print("linear", 8 + i, threads, y, M * N);
-        }
-    }
+    if (linear_cases(gemm, 4, 8) != 0) return 1;
     return 0;
 }
