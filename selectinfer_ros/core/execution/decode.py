@@ -91,12 +91,15 @@ class _Layer:
 
 
 class Decoder:
-    """Prefill and decode for one request at a time over a static KV cache.
+    """Prefill and decode over static KV caches, one per sequence slot.
 
     ``prefill(ids)`` starts a request and returns the logits after its last token;
     ``decode_one_token(token)`` appends one token and returns the logits after it. Both are
-    ``[V]`` float tensors on the model's device. ``timings``, when a dict, collects seconds
-    spent per phase ("attention", "ffn", "output") in decode steps (synchronised on CUDA).
+    ``[V]`` float tensors on the model's device and use slot 0. Several requests decode together:
+    ``reserve(n, slots=B)``, ``prefill(ids, slot=s)`` for each, then ``decode_batch(tokens,
+    slots)`` appends one token to each listed slot in one pass over the weights and returns their
+    logits ``[B, V]``. ``timings``, when a dict, collects seconds spent per phase ("attention",
+    "ffn", "output") in decode steps (synchronised on CUDA).
     """
 
     def __init__(self, model: nn.Module):
@@ -124,10 +127,11 @@ class Decoder:
         self.device = self.embed.weight.device
         self.dtype = self._compute_dtype()
         self.capacity = 0
-        self.k_cache: list[torch.Tensor] = []  # per layer [n_kv, capacity, head_dim]
-        self.v_cache: list[torch.Tensor] = []
+        self.slots = 0  # sequences the caches hold
+        self._k: list[torch.Tensor] = []  # per layer [slots, n_kv, capacity, head_dim]
+        self._v: list[torch.Tensor] = []
         self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # [capacity, head_dim]
-        self.pos = 0  # tokens in the cache
+        self.lengths: list[int] = []  # tokens in each slot's cache
         self.timings: dict[str, float] | None = None
         self._step = torch.empty(1, 1, dtype=torch.long, device=self.device)
         reason = native_unsupported(self)
@@ -162,14 +166,47 @@ class Decoder:
             mlp=blk.mlp, rope=rope, window=window)
 
     # -- cache and rotary tables -------------------------------------------------------------
-    def reserve(self, n_tokens: int) -> None:
-        """Room for ``n_tokens`` positions: allocated once, reused while it is large enough."""
-        if n_tokens <= self.capacity:
+    @property
+    def k_cache(self) -> list[torch.Tensor]:
+        """Slot 0's key cache per layer ``[n_kv, capacity, head_dim]`` (views)."""
+        return [k[0] for k in self._k]
+
+    @property
+    def v_cache(self) -> list[torch.Tensor]:
+        return [v[0] for v in self._v]
+
+    @property
+    def pos(self) -> int:
+        """Tokens in slot 0's cache."""
+        return self.lengths[0] if self.lengths else 0
+
+    @pos.setter
+    def pos(self, value: int) -> None:
+        if not self.lengths:
+            self.lengths = [0]
+        self.lengths[0] = value
+
+    def reserve(self, n_tokens: int, slots: int = 1) -> None:
+        """Room for ``n_tokens`` positions in each of ``slots`` sequences: allocated once, reused
+        while large enough; growing keeps what the caches hold (other slots may be decoding)."""
+        slots = max(slots, self.slots, 1)
+        if n_tokens <= self.capacity and slots == self.slots:
             return
-        cap = max(n_tokens, 2 * self.capacity)
-        shape = (self.n_kv, cap, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        cap = max(n_tokens, 2 * self.capacity) if n_tokens > self.capacity else self.capacity
+        shape = (slots, self.n_kv, cap, self.head_dim)
+
+        def grown(old: list[torch.Tensor]) -> list[torch.Tensor]:
+            new = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+            for n, o in zip(new, old):
+                n[:o.shape[0], :, :o.shape[2]] = o
+            return new
+        self._k, self._v = grown(self._k), grown(self._v)
+        self.lengths += [0] * (slots - len(self.lengths))
+        self.slots = slots
+        if cap == self.capacity:
+            if self.native is not None:
+                self.native.stale = True
+            return
         pos = torch.arange(cap, device=self.device)[None]  # [1, cap]
         probe = torch.empty(1, dtype=self.dtype, device=self.device)
         self.tables = {}
@@ -190,19 +227,37 @@ class Decoder:
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(x * cos, torch.roll(x, self.head_dim // 2, dims=-1), sin)
 
-    def _attention(self, l: _Layer, i: int, h: torch.Tensor, p: int) -> torch.Tensor:
+    def _attention(self, l: _Layer, i: int, h: torch.Tensor, p: int, slot: int = 0
+                   ) -> torch.Tensor:
         """Self-attention of the ``T`` tokens ``h`` ``[1, T, H]`` at positions ``[p, p+T)``."""
         T = h.shape[1]
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        q, k, v = l.q(h).view(T, nh, hd), l.k(h).view(T, nkv, hd), l.v(h).view(T, nkv, hd)
+        return l.o(self._attend(l, i, q, k, v, p, slot).view(1, T, nh * hd))
+
+    def _attention_rows(self, l: _Layer, i: int, h: torch.Tensor, pos: list[int],
+                        slots: list[int]) -> torch.Tensor:
+        """Self-attention of one token per row ``h`` ``[B, 1, H]``, row b at position ``pos[b]``
+        of slot ``slots[b]``: the projections for all rows at once."""
+        B = h.shape[0]
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        q, k, v = l.q(h).view(B, nh, hd), l.k(h).view(B, nkv, hd), l.v(h).view(B, nkv, hd)
+        out = torch.cat([self._attend(l, i, q[b:b + 1], k[b:b + 1], v[b:b + 1], pos[b], slots[b])
+                         for b in range(B)])  # [B, nh * hd]
+        return l.o(out.view(B, 1, nh * hd))
+
+    def _attend(self, l: _Layer, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                p: int, slot: int) -> torch.Tensor:
+        """Queries ``q`` ``[T, nh, hd]`` over slot ``slot``'s cache after writing the keys and
+        values ``[T, nkv, hd]`` at ``[p, p+T)``; ``[T, nh * hd]``."""
+        T = q.shape[0]
         nh, nkv, hd, g = self.n_heads, self.n_kv, self.head_dim, self.groups
-        q = l.q(h).view(T, nh, hd)
-        k = l.k(h).view(T, nkv, hd)
-        v = l.v(h).view(T, nkv, hd)
         if l.q_norm is not None:
             q, k = l.q_norm(q), l.k_norm(k)
         cos, sin = self.tables[l.rope]
         cos, sin = cos[p:p + T, None], sin[p:p + T, None]  # [T, 1, hd]
         q = self._rope(q, cos, sin)
-        kc, vc = self.k_cache[i], self.v_cache[i]
+        kc, vc = self._k[i][slot], self._v[i][slot]
         kc[:, p:p + T] = self._rope(k, cos, sin).transpose(0, 1)
         vc[:, p:p + T] = v.transpose(0, 1)
         end = p + T
@@ -213,23 +268,26 @@ class Decoder:
             mask = None
         else:
             q = q.transpose(0, 1).reshape(nkv, g * T, hd)  # rows: group-major, then token
-            qpos = torch.arange(p, end, device=h.device)[:, None]
-            kpos = torch.arange(lo, end, device=h.device)[None]
+            qpos = torch.arange(p, end, device=q.device)[:, None]
+            kpos = torch.arange(lo, end, device=q.device)[None]
             mask = kpos <= qpos
             if l.window is not None:
                 mask &= kpos > qpos - l.window
             mask = mask.repeat(g, 1)  # [g*T, S]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
-        out = out.view(nh, T, hd).transpose(0, 1).reshape(1, T, nh * hd)
-        return l.o(out)
+        return out.view(nh, T, hd).transpose(0, 1).reshape(T, nh * hd)
 
-    def _layers(self, x: torch.Tensor, p: int) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, pos: list[int], slots: list[int]) -> torch.Tensor:
+        """``x`` ``[B, T, H]``: one row of T tokens (a prefill, B = 1), or B rows of one token
+        (row b at position ``pos[b]`` of slot ``slots[b]``)."""
         timed = self.timings is not None and x.shape[1] == 1
         if x.shape[1] == 1 and self.native is not None:
-            return self.native.step(x, p, self.timings if timed else None)
+            return self.native.step(x, pos, slots, self.timings if timed else None)
         for i, l in enumerate(self.layers):
             t0 = self._now() if timed else 0.0
-            a = self._attention(l, i, l.input_norm(x), p)
+            h = l.input_norm(x)
+            a = (self._attention(l, i, h, pos[0], slots[0]) if x.shape[0] == 1
+                 else self._attention_rows(l, i, h, pos, slots))
             if l.post_attn_norm is not None:
                 a = l.post_attn_norm(a)
             x = x + a
@@ -247,7 +305,7 @@ class Decoder:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         timed = self.timings is not None
         t0 = self._now() if timed else 0.0
-        logits = self.head(self.final_norm(x[:, -1]))[0]  # [V]
+        logits = self.head(self.final_norm(x[:, -1]))  # [B, V]
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if timed:
@@ -260,30 +318,46 @@ class Decoder:
         return time.perf_counter()
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int] | torch.Tensor, extra: int = 1) -> torch.Tensor:
-        """Start a request with the prompt ``ids`` (room for ``extra`` more tokens); the logits
-        ``[V]`` after its last token."""
+    def prefill(self, ids: list[int] | torch.Tensor, extra: int = 1, slot: int = 0
+                ) -> torch.Tensor:
+        """Start a request in ``slot`` with the prompt ``ids`` (room for ``extra`` more tokens);
+        the logits ``[V]`` after its last token."""
         ids = torch.as_tensor(ids, device=self.device).view(1, -1)  # [1, T]
-        self.reserve(ids.shape[1] + extra)
-        self.pos = 0
-        x = self._layers(self.embed(ids), 0)
-        self.pos = ids.shape[1]
+        self.reserve(ids.shape[1] + extra, slot + 1)
+        self.lengths[slot] = 0
+        x = self._layers(self.embed(ids), [0], [slot])
+        self.lengths[slot] = ids.shape[1]
         if self.native is not None:
             self.native.stale = True  # selection may have moved neurons and changed the prefix
         timed, self.timings = self.timings, None  # prefill is not a decode step
         try:
-            return self._logits(x)
+            return self._logits(x)[0]
         finally:
             self.timings = timed
 
     @torch.inference_mode()
     def decode_one_token(self, token: int) -> torch.Tensor:
-        """Append ``token``; the logits ``[V]`` after it."""
-        if self.pos >= self.capacity:
-            raise RuntimeError(f"KV cache full ({self.capacity} positions): reserve more at prefill")
+        """Append ``token`` to slot 0; the logits ``[V]`` after it."""
         self._step[0, 0] = token
-        x = self._layers(self.embed(self._step), self.pos)
-        self.pos += 1
+        return self._decode(self._step, [0])[0]
+
+    @torch.inference_mode()
+    def decode_batch(self, tokens: list[int], slots: list[int]) -> torch.Tensor:
+        """Append ``tokens[b]`` to slot ``slots[b]`` for every b, in one pass over the weights;
+        the logits ``[B, V]`` after them (row b equals a step of its slot alone, to float
+        rounding of the output product)."""
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a slot appears twice in one step: {slots}")
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device).view(-1, 1)  # [B, 1]
+        return self._decode(ids, slots)
+
+    def _decode(self, ids: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        pos = [self.lengths[s] for s in slots]
+        if max(pos) >= self.capacity:
+            raise RuntimeError(f"KV cache full ({self.capacity} positions): reserve more at prefill")
+        x = self._layers(self.embed(ids), pos, slots)
+        for s in slots:
+            self.lengths[s] += 1
         return self._logits(x)
 
 
@@ -330,12 +404,11 @@ class NativeInt8Step:
     def __init__(self, d: Decoder):
         self.d = d
         self.lib = int8.kernel()
-        self.fn = self.lib.si_decode_layers
+        self.fn = self.lib.si_decode_batch
         self.fn.restype = ctypes.c_int
         self.fn.argtypes = [ctypes.POINTER(native.ModelC), ctypes.POINTER(native.LayerC),
-                            ctypes.c_int64,
-                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                            ctypes.POINTER(ctypes.c_double)]
+                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                            ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
         self.layers = (native.LayerC * len(d.layers))()
         self.model = native.ModelC()
         self.stale = True
@@ -351,18 +424,16 @@ class NativeInt8Step:
         max_k = max(H, d.n_heads * hd, max_loaded)
         f32 = dict(dtype=torch.float32)
         teams = max(1, torch.get_num_threads())  # a scores row per thread
-        h, x_q = torch.empty(max_k, **f32), torch.empty(max_k + 32, dtype=torch.int8)
-        bufs = dict(h=h, q=torch.empty(d.n_heads * hd, **f32), kv=torch.empty(2 * d.n_kv * hd, **f32),
-                    att=torch.empty(d.n_heads * hd, **f32),
-                    scores=torch.empty(teams * d.capacity, **f32),
-                    gu=torch.empty(2 * max_loaded, **f32), a=torch.empty(max_k, **f32), xq=x_q,
-                    xd=torch.empty(max_k // 32 + 2, **f32),
-                    xs=torch.empty(max_k // 32 + 2, dtype=torch.int32),
-                    idx=torch.empty(2 * max_k, dtype=torch.int32),  # per-token: kept slots
-                    cnt=torch.empty(teams + 1, dtype=torch.int64),
-                    cand=torch.empty(teams, dtype=torch.int64))  # per-token: candidates
+        batch = max(1, d.slots)
+        dtypes = dict(xq=torch.int8, xs=torch.int32, idx=torch.int32, cnt=torch.int64,
+                      cand=torch.int64)  # idx: per-token kept slots; cand: candidates
+        bufs = {name: torch.empty(n, dtype=dtypes.get(name, torch.float32))
+                for name, n in native.scratch_sizes(max_k, teams, d.capacity, batch).items()}
         self._keep = list(bufs.values())
+        self._pos = torch.zeros(batch, dtype=torch.int64)  # per row: position, cache offset
+        self._off = torch.zeros(batch, dtype=torch.int64)
         m = self.model
+        m.batch = batch
         m.hidden, m.n_heads, m.n_kv, m.head_dim = H, d.n_heads, d.n_kv, hd
         m.cap, m.max_k, m.eps, m.scaling = d.capacity, max_k, d.final_norm.eps, d.scaling
         m.act = _ACTIVATIONS[activation_name(cfg)]
@@ -390,7 +461,7 @@ class NativeInt8Step:
                 else:
                     setattr(c, name, native.Mat(w.data_ptr(), lin.scale.data_ptr(), w.shape[0],
                                                 w.shape[1], w.stride(0), None, 0, bias))
-            c.k_cache, c.v_cache = d.k_cache[i].data_ptr(), d.v_cache[i].data_ptr()
+            c.k_cache, c.v_cache = d._k[i].data_ptr(), d._v[i].data_ptr()  # slot 0
             cos, sin = d.tables[l.rope]
             c.cos, c.sin = cos.data_ptr(), sin.data_ptr()
             c.window = l.window or 0
@@ -463,30 +534,38 @@ class NativeInt8Step:
     def _prepare(self) -> None:
         """The structures up to date for a call: refreshed when stale (or more threads than
         the scratch has room for), the MLP fields filled again when their key changed."""
-        if self.stale or torch.get_num_threads() > self.model.teams:
+        if (self.stale or torch.get_num_threads() > self.model.teams
+                or self.d.slots > self.model.batch):
             self._refresh()
         else:
             key = self._mlp_key()
             if key != self._key:
                 self._fill_mlp(key)
 
-    def step(self, x: torch.Tensor, pos: int, timings: dict[str, float] | None = None
-             ) -> torch.Tensor:
-        """``x`` ``[1, 1, H]`` float32 (the token's embedding) through every layer, in place;
-        ``timings`` (if given) gets the seconds of attention and FFN added."""
+    def step(self, x: torch.Tensor, pos: list[int], slots: list[int],
+             timings: dict[str, float] | None = None) -> torch.Tensor:
+        """``x`` ``[B, 1, H]`` float32 (each row a token's embedding, row b at position
+        ``pos[b]`` of slot ``slots[b]``) through every layer, in place; ``timings`` (if given)
+        gets the seconds of attention and FFN added."""
         self._prepare()
         x = x.contiguous()
+        B = x.shape[0]
+        d = self.d
+        slot_floats = d.n_kv * d.capacity * d.head_dim
+        for b in range(B):
+            self._pos[b], self._off[b] = pos[b], slots[b] * slot_floats
         t = self._timing
         t[0] = t[1] = 0.0
-        rc = self.fn(ctypes.byref(self.model), self.layers, len(self.layers), x.data_ptr(), pos,
-                     torch.get_num_threads(), t if timings is not None else None)
+        rc = self.fn(ctypes.byref(self.model), self.layers, len(self.layers), x.data_ptr(), B,
+                     self._pos.data_ptr(), self._off.data_ptr(), torch.get_num_threads(),
+                     t if timings is not None else None)
         if rc != 0:
-            raise RuntimeError(f"int8 decode kernel failed at position {pos} (capacity "
-                               f"{self.d.capacity})")
+            raise RuntimeError(f"int8 decode kernel failed (code {rc}) at positions {pos} "
+                               f"(capacity {d.capacity}, {B} rows, room for {self.model.batch})")
         if self._token:  # as SelectiveMLP counts its decode tokens (with its first layer)
             st = self.d.layers[0].mlp.state
             if st.kept.numel() > 0:
-                st.decoded += 1
+                st.decoded += B
         if timings is not None:
             timings["attention"] += t[0]
             timings["ffn"] += t[1]

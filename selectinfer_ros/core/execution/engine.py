@@ -413,95 +413,49 @@ class Engine:
         return prefill, decode_one_token
 
     def _run(self, ids, config, max_new, metrics, gen, on_text, cancel, t0) -> GenerationResult:
-        constrained = config.constraint  # compiled (or from the cache) before the model runs
-        constraint: Constraint | None = (self.grammars.constraint(*constrained)
-                                         if constrained is not None else None)
+        stream = Stream(self, ids, config, max_new, metrics, gen, on_text, cancel, t0)
         input_ids = torch.tensor([ids], device=self.device)  # [1, T]
         prefill, decode_one_token = self._forward_fns(input_ids, max_new)
         self._start(input_ids)
-        greedy = config.temperature < GREEDY_BELOW and config.repetition_penalty == 1.0
-        eos_ids = self.eos_ids
-
-        def next_token(logits: torch.Tensor) -> int:
-            """The one place logits become the next token: grammar mask, then greedy or sampled."""
-            if constraint is not None:
-                constraint.mask_logits(logits)
-            tok = int(torch.argmax(logits)) if greedy else self._sample(logits, config, history, gen)
-            if constraint is not None and tok not in eos_ids:
-                constraint.advance(tok)
-            return tok
-
-        history = None
-        if not greedy:
-            history = torch.zeros(self.model.config.vocab_size, dtype=torch.bool)
-            history[torch.tensor(ids)] = True
-        detok = Detokenizer(self.tokenizer)
-        new_ids = detok.ids
-        emitted = 0
-        text = ""
-        finish = "length"
-        stops = [s for s in config.stop if s]
         counted = None  # token mode: the neuron counts after the prefill
         try:
             if cancel is not None and cancel():
                 raise Canceled
             with self.cancel_between_layers(cancel):
                 logits = prefill()
-            tok = next_token(logits)
-            t_first = time.perf_counter()
-            metrics.prefill_seconds = metrics.time_to_first_token = t_first - t0
+            done = stream.advance(logits)
             self._end_prefill(metrics)
             sm = self.selective
             if sm is not None and sm.state.per_token:
                 counted = sm.counts()
-            while True:
-                if tok in eos_ids and not config.ignore_eos:
-                    # constrained: the mask allows EOS only where the answer is complete
-                    finish = "grammar" if constraint is not None and constraint.accepting else "stop"
-                    break
-                delta = detok.add(tok)
-                if history is not None:
-                    history[tok] = True
-                text = detok.text
-                if stops and delta:
-                    start = max(0, len(text) - len(delta) - max(map(len, stops)))
-                    stop_at = min((i for i in (text.find(s, start) for s in stops) if i >= 0),
-                                  default=-1)
-                    if stop_at >= 0:
-                        text = text[:stop_at]
-                        finish = "stop"
-                        break
-                if constraint is not None and constraint.stopped:
-                    finish = "grammar"  # the grammar ends here: no further token is allowed
-                    break
-                if len(new_ids) >= max_new:
-                    if max_new < config.max_new_tokens:
-                        finish = "context_length"
-                    break
-                safe = len(text) - (_stop_hold(text, stops) if stops else 0)
-                if on_text is not None and safe > emitted:
-                    on_text(text[emitted:safe], len(new_ids))
-                    emitted = safe
-                if cancel is not None and cancel():
-                    raise Canceled
-                logits = decode_one_token(tok)
-                tok = next_token(logits)
+            while not done:
+                done = stream.advance(decode_one_token(stream.tok))
         except Canceled:
-            finish = "canceled"
+            stream.finish = "canceled"
         finally:
             if self.state is not None:
                 self.state.prefill = True
-        metrics.generated_tokens = len(new_ids)
         if counted is not None and self.selective.counts()[0] > counted[0]:
             metrics.computed_share = self.selective.read_shares(counted)["computed_share"]
-        if new_ids:
-            metrics.decode_seconds = time.perf_counter() - t0 - metrics.time_to_first_token
-        if finish == "canceled":
-            text = text[:emitted]  # what the client has seen; held-back text stays unsaid
-        if on_text is not None and len(text) > emitted and finish != "canceled":
-            on_text(text[emitted:], len(new_ids))
-        return GenerationResult(text, finish, list(new_ids), metrics, parsed=finish == "grammar",
-                                mask_seconds=constraint.mask_seconds if constraint else 0.0)
+        return stream.result()
+
+    def batch_refusal(self, config: GenerationConfig) -> str | None:
+        """Why a request with ``config`` cannot decode in a :class:`Batch` with others (None when
+        it can): the rows of a batch share the computed neurons, so a request whose prefill
+        chooses its own (compute ratio below the load ratio, prompt mode) or whose tokens
+        choose their own (per-token mode) decodes alone; so do models off the lean decoder."""
+        if self.decoder is None:
+            return f"decoding runs on the {self.decode_path}"
+        sm = self.selective
+        if sm is None:
+            return None
+        if sm.state.per_token:
+            return "per-token selection (each token computes its own neurons)"
+        ratio = sm.compute_ratio if config.compute_ratio is None else config.compute_ratio
+        if ratio < sm.load_ratio - 1e-9:
+            return (f"compute ratio {ratio:g} below the load ratio {float(sm.load_ratio):g} (the "
+                    "prompt chooses the neurons its tokens compute)")
+        return None
 
     @torch.inference_mode()
     def score(self, prefix: list[int], continuation: list[int]) -> torch.Tensor:
@@ -683,3 +637,97 @@ class Engine:
             sp[cut] = 0
             probs = torch.zeros_like(probs).scatter_(0, si, sp)
         return int(torch.multinomial(probs, 1, generator=gen))
+
+
+class Stream:
+    """One request from its prefill's logits on: :meth:`advance` takes the logits after the last
+    token, picks the next token (the grammar's mask, then greedy or sampled: the one place logits
+    become a token) and runs what follows it (end of sequence, stop strings, the grammar's end,
+    the length limit, streamed text, cancel). ``tok`` is then the next step's input, unless the
+    request is done (``finish`` set); :meth:`result` is its outcome."""
+
+    def __init__(self, engine: Engine, ids: list[int], config: GenerationConfig, max_new: int,
+                 metrics: RequestMetrics, gen: torch.Generator,
+                 on_text: Callable[[str, int], None] | None, cancel: Callable[[], bool] | None,
+                 t0: float):
+        constrained = config.constraint  # compiled (or from the cache) before the model runs
+        self.constraint: Constraint | None = (engine.grammars.constraint(*constrained)
+                                              if constrained is not None else None)
+        self.config, self.max_new, self.metrics, self.gen = config, max_new, metrics, gen
+        self.on_text, self.cancel, self.t0 = on_text, cancel, t0
+        self.eos_ids = engine.eos_ids
+        self.greedy = config.temperature < GREEDY_BELOW and config.repetition_penalty == 1.0
+        self.history = None
+        if not self.greedy:
+            self.history = torch.zeros(engine.model.config.vocab_size, dtype=torch.bool)
+            self.history[torch.tensor(ids)] = True
+        self.detok = Detokenizer(engine.tokenizer)
+        self.stops = [s for s in config.stop if s]
+        self.emitted = 0
+        self.text = ""
+        self.tok = -1
+        self.finish: str | None = None
+        self.slot = -1  # a batch's KV slot
+
+    def _next_token(self, logits: torch.Tensor) -> int:
+        c = self.constraint
+        if c is not None:
+            c.mask_logits(logits)
+        tok = (int(torch.argmax(logits)) if self.greedy
+               else Engine._sample(logits, self.config, self.history, self.gen))
+        if c is not None and tok not in self.eos_ids:
+            c.advance(tok)
+        return tok
+
+    def advance(self, logits: torch.Tensor) -> bool:
+        """The token after ``logits`` ``[V]``; True when the request is done."""
+        tok = self.tok = self._next_token(logits)
+        m, config, c = self.metrics, self.config, self.constraint
+        if not self.detok.ids and not m.time_to_first_token:
+            m.prefill_seconds = m.time_to_first_token = time.perf_counter() - self.t0
+        if tok in self.eos_ids and not config.ignore_eos:
+            # constrained: the mask allows EOS only where the answer is complete
+            self.finish = "grammar" if c is not None and c.accepting else "stop"
+            return True
+        delta = self.detok.add(tok)
+        if self.history is not None:
+            self.history[tok] = True
+        text = self.text = self.detok.text
+        stops = self.stops
+        if stops and delta:
+            start = max(0, len(text) - len(delta) - max(map(len, stops)))
+            stop_at = min((i for i in (text.find(s, start) for s in stops) if i >= 0), default=-1)
+            if stop_at >= 0:
+                self.text = text[:stop_at]
+                self.finish = "stop"
+                return True
+        if c is not None and c.stopped:
+            self.finish = "grammar"  # the grammar ends here: no further token is allowed
+            return True
+        n = len(self.detok.ids)
+        if n >= self.max_new:
+            self.finish = "context_length" if self.max_new < config.max_new_tokens else "length"
+            return True
+        safe = len(text) - (_stop_hold(text, stops) if stops else 0)
+        if self.on_text is not None and safe > self.emitted:
+            self.on_text(text[self.emitted:safe], n)
+            self.emitted = safe
+        if self.cancel is not None and self.cancel():
+            self.finish = "canceled"
+            return True
+        return False
+
+    def result(self) -> GenerationResult:
+        m, new_ids, text = self.metrics, self.detok.ids, self.text
+        finish = self.finish or "canceled"
+        m.generated_tokens = len(new_ids)
+        if new_ids:
+            m.decode_seconds = time.perf_counter() - self.t0 - m.time_to_first_token
+        if finish == "canceled":
+            text = text[:self.emitted]  # what the client has seen; held-back text stays unsaid
+        if self.on_text is not None and len(text) > self.emitted and finish != "canceled":
+            self.on_text(text[self.emitted:], len(new_ids))
+        c = self.constraint
+        return GenerationResult(text, finish, list(new_ids), m, parsed=finish == "grammar",
+                                mask_seconds=c.mask_seconds if c else 0.0)
+

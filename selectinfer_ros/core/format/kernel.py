@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_decode.c"
-ABI_VERSION = 9
+ABI_VERSION = 10
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
 # (name, cpuinfo flags it needs, compiler flags), best first, per machine
@@ -88,7 +88,20 @@ class ModelC(ctypes.Structure):
                                                   "xq", "xd", "xs",
                                                   "idx",  # int32 [2 * max_k]
                                                   "cnt",  # int64 [teams + 1]
-                                                  "cand")])  # int64 [teams]
+                                                  "cand")]  # int64 [teams]
+                # rows of a batch the scratch holds (row strides: see scratch_sizes)
+                + [("batch", ctypes.c_int64)])
+
+
+def scratch_sizes(max_k: int, teams: int, cap: int, batch: int) -> dict[str, int]:
+    """Elements of each scratch buffer of :class:`ModelC` for ``batch`` rows (si_model's row
+    strides: h, q, att, a ``max_k``; kv, gu ``2 max_k``; xq ``max_k + 32`` bytes; xd, xs
+    ``max_k / 32 + 2``)."""
+    nb = max_k // 32 + 2
+    return dict(h=batch * max_k, q=batch * max_k, kv=batch * 2 * max_k, att=batch * max_k,
+                scores=teams * cap, gu=batch * 2 * max_k, a=batch * max_k,
+                xq=batch * (max_k + 32), xd=batch * nb, xs=batch * nb, idx=2 * max_k,
+                cnt=teams + 1, cand=teams)
 
 
 STRUCT_SIZES = (ctypes.sizeof(Mat), ctypes.sizeof(LayerC), ctypes.sizeof(ModelC))

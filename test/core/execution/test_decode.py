@@ -373,8 +373,10 @@ def _decode_layer_by_layer(sm: SelectiveModel, ids: list[int], n_prompt: int):
             saved = d.k_cache[i].clone(), d.v_cache[i].clone()
             native._prepare()
             got, before = x.clone().contiguous(), counts()
+            pos, off = torch.tensor([p]), torch.tensor([0])
             assert native.fn(ctypes.byref(native.model), ctypes.byref(native.layers[i]), 1,
-                             got.data_ptr(), p, torch.get_num_threads(), None) == 0
+                             got.data_ptr(), 1, pos.data_ptr(), off.data_ptr(),
+                             torch.get_num_threads(), None) == 0
             by_kernel.append((counts() - before)[:, i])
             d.k_cache[i].copy_(saved[0])
             d.v_cache[i].copy_(saved[1])
@@ -479,3 +481,64 @@ def test_token_selection_with_thresholds_0_equals_every_loaded_neuron(token_pack
             assert (cand >= step).all() and ((cand < n).any() if share < 1 else
                                              (cand == n).all()), (share, cand, step)
     assert st.decoded == steps + 2
+
+
+def _batch_vs_alone(d: Decoder, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """Rows of ``decode_batch`` against each slot stepped alone, ``steps`` tokens teacher-forced
+    from prompts of different lengths (so the rows sit at different positions): the largest
+    difference of the logits and of the rows' last hidden state is what it returns, as
+    (max |logit diff|, the same relative to the logits' spread)."""
+    B = len(prompts)
+    d.reserve(max(map(len, prompts)) + steps + 1, B)
+    for s, p in enumerate(prompts):
+        d.prefill(p, extra=steps, slot=s)
+    start = list(d.lengths[:B])
+    g = torch.Generator().manual_seed(11)
+    toks = torch.randint(4, 500, (steps, B), generator=g).tolist()
+    alone = []
+    for t in toks:  # every slot alone, one token each
+        alone.append(torch.stack([d.decode_batch([t[s]], [s])[0] for s in range(B)]))
+    d.lengths[:B] = start  # the batch writes the same cache positions again
+    together = torch.stack([d.decode_batch(t, list(range(B))) for t in toks])
+    diff = float((together - torch.stack(alone)).abs().max())
+    return diff, diff / float(torch.stack(alone).std())
+
+
+@pytest.mark.parametrize("family,weights", [("tiny-llama", "int8"), ("tiny-gemma3", "int8-q4emb"),
+                                            ("tiny-qwen2", "q4-all"), ("tiny-llama", "float")])
+def test_a_batch_step_equals_each_row_stepped_alone(tiny_models, tmp_path, family, weights):
+    """decode_batch: each row at its own position in its own KV slot, one pass over the weights;
+    with 3 rows every row's logits equal its slot stepped alone exactly (the kernel runs each
+    row's products and attention as a step alone does; the output layer takes the row path for
+    fewer than 4 rows); with 5 rows (the output layer's blocked product) to float rounding. The
+    torch path (float weights) batches the projections and MLP as one matrix product: float
+    rounding."""
+    hf, float_pack = tiny_models[family]
+    packed = float_pack if weights == "float" else pack(hf, tmp_path / weights, weights=weights,
+                                                        log=lambda s: None).path
+    sm = SelectiveModel(packed, load_ratio=1.0)
+    d = Engine.from_selective(sm).decoder
+    assert (d.native is not None) == (weights != "float"), d.path
+    sm.state.prefill = False
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(4, 500, (n,), generator=g).tolist() for n in (5, 9, 2, 12, 7)]
+    exact, _ = _batch_vs_alone(d, prompts[:3], 6)
+    assert exact == 0.0 if weights != "float" else exact < 1e-4, exact
+    _, rel = _batch_vs_alone(d, prompts, 6)
+    assert rel < 1e-5, rel
+
+
+def test_growing_the_slots_keeps_what_the_caches_hold(tiny_models):
+    """A request that joins a running batch may grow the caches (more slots, a longer context):
+    the running slots' keys and values survive, so their next tokens are unchanged."""
+    _, packed = tiny_models["tiny-llama"]
+    d = Engine.from_selective(SelectiveModel(packed, load_ratio=1.0)).decoder
+    ids = list(range(10, 30))
+    d.prefill(ids[:6], extra=4)
+    before = d.k_cache[0][:, :6].clone()
+    d.reserve(4 * d.capacity, 3)  # longer and more slots
+    assert d.slots == 3 and d.lengths[0] == 6
+    assert torch.equal(d.k_cache[0][:, :6], before)
+    want = Engine.from_selective(SelectiveModel(packed, load_ratio=1.0)).decoder
+    want.prefill(ids[:6], extra=4)
+    assert torch.equal(d.decode_one_token(ids[6]), want.decode_one_token(ids[6]))

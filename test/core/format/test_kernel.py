@@ -120,9 +120,18 @@ from selectinfer_ros.core.format import q4
 p4, d4 = q4.quantize(torch.randn(40, 96, generator=g))
 x4 = torch.randn(3, 96, generator=g)
 lin4 = (q4.linear(x4, p4, d4) - x4 @ q4.dequantize(p4, d4).T).abs().max() / x4.abs().max()
+# three requests in three KV slots at different positions: a batched step against each alone
+d = e.decoder
+d.reserve(32, 3)
+for s, n in enumerate((4, 9, 6)):
+    d.prefill(ids[s:s + n], extra=4, slot=s)
+start = list(d.lengths)
+alone = torch.stack([d.decode_batch([t], [s])[0] for s, t in enumerate((7, 8, 9))])
+d.lengths[:] = start
+batch_diff = float((d.decode_batch([7, 8, 9], [0, 1, 2]) - alone).abs().max())
 torch.save(dict(logits=torch.stack(logits), lines=lines, path=e.decoder.path,
                 status=int8.kernel_status(), linear_err=float(lin),
-                q4_err=float(lin4)), out)
+                q4_err=float(lin4), batch_diff=batch_diff), out)
 """
 
 
@@ -195,6 +204,8 @@ def test_decode_steps_of_every_path_equal_the_plain_c_path(isa, int8_tiny, plain
     assert r["status"].startswith(f"int8 kernel ({isa}, ") and r["path"] == "int8 decode kernel"
     rel = _rel(r["logits"], plain_run["logits"])
     assert float(rel.median()) < 1e-3 and float(rel.max()) < 0.2, rel
+    # a batched step's rows equal the same rows stepped alone, exactly, on every path
+    assert r["batch_diff"] == 0.0 and plain_run["batch_diff"] == 0.0, r["batch_diff"]
 
 
 # kernel_harness.c (see test_kernel_aarch64.py) built for every path of this CPU: single products

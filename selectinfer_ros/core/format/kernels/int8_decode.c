@@ -39,7 +39,7 @@
 #endif
 
 #ifndef SI_ABI_VERSION
-#define SI_ABI_VERSION 9
+#define SI_ABI_VERSION 10
 #endif
 
 #if defined(SI_PLAIN)
@@ -1114,6 +1114,10 @@ typedef struct {
        member t's count of candidates (up row read) at t */
     int32_t *idx;
     int64_t *cnt, *cand;
+    /* rows of a batch the scratch has room for (0: 1). Row b's scratch: h, q, att, a at
+       b * max_k; kv, gu at b * 2 * max_k; xq at b * (max_k + QK); xd, xs at b * (max_k / QK
+       + 2) (see row_scratch); scores, idx, cnt, cand are shared (rows take turns) */
+    int64_t batch;
 } si_model;
 
 int si_abi(int64_t *sizes, int n) {
@@ -1148,20 +1152,54 @@ static void rms_norm(const float *x, const float *w, int64_t n, float eps, float
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
-/* This member's share of y = W . x (+ bias) (x quantized as m->xq, m->xd); no barrier. */
-static void gemv_part(const si_mat *mt, const si_model *m, const float *x, float *y, int t,
-                      int nt) {
+/* Row b's scratch: the model with its scratch pointers moved to batch row b (strides in
+   si_model); row 0 is the model itself. */
+static void row_scratch(const si_model *m, int64_t b, si_model *r) {
+    const int64_t K = m->max_k, nb = K / QK + 2;
+    *r = *m;
+    r->h += b * K;
+    r->q += b * K;
+    r->att += b * K;
+    r->a += b * K;
+    r->kv += b * 2 * K;
+    r->gu += b * 2 * K;
+    r->xq += b * (K + QK);
+    r->xd += b * nb;
+    r->xs += b * nb;
+}
+
+#ifndef ROWS_CHUNK
+#define ROWS_CHUNK (64 * 1024) /* weight bytes a batch's rows take turns over (from the cache) */
+#endif
+
+/* This member's share of y_b = W . x_b (+ bias) for the B rows of a batch, x_b quantized in row
+   b's scratch (R[b].xq, .xd, .xs), x_b = x + b * ldx (the float tail), y_b = y + b * ldy; no
+   barrier. The weight rows are read from memory once: a chunk of them (ROWS_CHUNK bytes) for
+   every batch row in turn, then the next chunk. */
+static void gemv_rows(const si_mat *mt, const si_model *R, int64_t B, const float *x, int64_t ldx,
+                      float *y, int64_t ldy, int t, int nt) {
     int64_t n0, n1;
     share(mt->n, t, nt, &n0, &n1);
-    if (mt->d) {
-        const uint8_t *w = (const uint8_t *)mt->w;
-        for (int64_t n = n0; n < n1; n++)
-            q4_row(w + n * mt->ldw, mt->d + n * mt->ldd, mt->k / QK, m->xq, m->xd, m->xs, y + n);
-    } else {
-        rows_q(mt->w, mt->ldw, mt->k, mt->scale, m->xq, m->xd, x, y, n0, n1);
+    int64_t row_bytes = mt->d ? mt->k / 2 + mt->k / QK * 2 : mt->k;
+    int64_t chunk = B > 1 ? ROWS_CHUNK / (row_bytes > 0 ? row_bytes : 1) : n1 - n0;
+    if (chunk < 1) chunk = 1;
+    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+        int64_t c1 = c0 + chunk < n1 ? c0 + chunk : n1;
+        for (int64_t b = 0; b < B; b++) {
+            const si_model *r = &R[b];
+            float *yb = y + b * ldy;
+            if (mt->d) {
+                const uint8_t *w = (const uint8_t *)mt->w;
+                for (int64_t n = c0; n < c1; n++)
+                    q4_row(w + n * mt->ldw, mt->d + n * mt->ldd, mt->k / QK, r->xq, r->xd, r->xs,
+                           yb + n);
+            } else {
+                rows_q(mt->w, mt->ldw, mt->k, mt->scale, r->xq, r->xd, x + b * ldx, yb, c0, c1);
+            }
+            if (mt->bias)
+                for (int64_t n = c0; n < c1; n++) yb[n] += mt->bias[n];
+        }
     }
-    if (mt->bias)
-        for (int64_t n = n0; n < n1; n++) y[n] += mt->bias[n];
 }
 
 /* This member's share of the quantization of x [K] into m->xq, m->xd; no barrier. */
@@ -1201,13 +1239,14 @@ static inline float act(float g, int kind) {
     return g / (1.0f + expf(-g));
 }
 
-/* Query head j over its kv head's cached keys [lo, pos] -> m->att[j]. */
-static void attend(const si_model *m, const si_layer *L, int64_t j, int64_t lo, int64_t pos,
-                   float *s) {
+/* Query head j over its kv head's cached keys [lo, pos] -> m->att[j]; the row's cache starts
+   off floats into the layer's. */
+static void attend(const si_model *m, const si_layer *L, int64_t off, int64_t j, int64_t lo,
+                   int64_t pos, float *s) {
     int64_t hd = m->head_dim, cap = m->cap, G = m->n_heads / m->n_kv, S = pos + 1 - lo;
     const float *qj = m->q + j * hd;
-    const float *kc = L->k_cache + ((j / G) * cap + lo) * hd;
-    const float *vc = L->v_cache + ((j / G) * cap + lo) * hd;
+    const float *kc = L->k_cache + off + ((j / G) * cap + lo) * hd;
+    const float *vc = L->v_cache + off + ((j / G) * cap + lo) * hd;
     float mx = -INFINITY, sum = 0.0f;
     for (int64_t t = 0; t < S; t++) {
         float d = 0.0f;
@@ -1227,111 +1266,132 @@ static void attend(const si_model *m, const si_layer *L, int64_t j, int64_t lo, 
     }
 }
 
-/* One layer's attention, run by every member t of nt; x is updated in place. Starts after a
-   barrier, ends with one. */
-static void attention_step(const si_model *m, const si_layer *L, float *x, int64_t pos, int t,
-                           int nt) {
-    int64_t H = m->hidden, nh = m->n_heads, nkv = m->n_kv, hd = m->head_dim, cap = m->cap;
-    float *h = m->h, *q = m->q, *k = m->kv, *v = m->kv + nkv * hd;
-    if (t == 0) rms_norm(x, L->in_norm, H, m->eps, h);
+/* One layer's attention for the B rows of a batch (row b: x + b * H at position pos[b], its
+   cache off[b] floats into the layer's), run by every member t of nt; x is updated in place.
+   Starts after a barrier, ends with one. The weights are read once for all rows; the (row,
+   head) pairs are split across members. */
+static void attention_rows(const si_model *m, const si_model *R, const si_layer *L, float *x,
+                           int64_t B, const int64_t *pos, const int64_t *off, int t, int nt) {
+    int64_t H = m->hidden, nh = m->n_heads, nkv = m->n_kv, hd = m->head_dim, cap = m->cap,
+            K = m->max_k;
+    for (int64_t b = t; b < B; b += nt) rms_norm(x + b * H, L->in_norm, H, m->eps, R[b].h);
     barrier();
-    (L->q.d ? quantize_part_pairs : quantize_part)(m, h, H, t, nt); /* q, k, v: one format */
+    for (int64_t b = 0; b < B; b++) /* q, k, v: one format */
+        (L->q.d ? quantize_part_pairs : quantize_part)(&R[b], R[b].h, H, t, nt);
     barrier();
-    gemv_part(&L->q, m, h, q, t, nt);
-    gemv_part(&L->k, m, h, k, t, nt);
-    gemv_part(&L->v, m, h, v, t, nt);
+    gemv_rows(&L->q, R, B, m->h, K, m->q, K, t, nt);
+    gemv_rows(&L->k, R, B, m->h, K, m->kv, 2 * K, t, nt);
+    gemv_rows(&L->v, R, B, m->h, K, m->kv + nkv * hd, 2 * K, t, nt);
     barrier();
-    const float *cs = L->cos + pos * hd, *sn = L->sin + pos * hd;
-    for (int64_t j = t; j < nkv; j += nt) {
-        if (L->k_norm) rms_norm(k + j * hd, L->k_norm, hd, m->eps, k + j * hd);
-        rope(k + j * hd, cs, sn, hd);
-        memcpy(L->k_cache + (j * cap + pos) * hd, k + j * hd, (size_t)hd * sizeof(float));
-        memcpy(L->v_cache + (j * cap + pos) * hd, v + j * hd, (size_t)hd * sizeof(float));
+    for (int64_t i = t; i < B * nkv; i += nt) {
+        int64_t b = i / nkv, j = i % nkv, p = pos[b];
+        float *k = R[b].kv + j * hd, *v = R[b].kv + (nkv + j) * hd;
+        if (L->k_norm) rms_norm(k, L->k_norm, hd, m->eps, k);
+        rope(k, L->cos + p * hd, L->sin + p * hd, hd);
+        memcpy(L->k_cache + off[b] + (j * cap + p) * hd, k, (size_t)hd * sizeof(float));
+        memcpy(L->v_cache + off[b] + (j * cap + p) * hd, v, (size_t)hd * sizeof(float));
     }
     barrier();
-    int64_t lo = L->window > 0 && pos + 1 > L->window ? pos + 1 - L->window : 0;
-    for (int64_t j = t; j < nh; j += nt) {
-        if (L->q_norm) rms_norm(q + j * hd, L->q_norm, hd, m->eps, q + j * hd);
-        rope(q + j * hd, cs, sn, hd);
-        attend(m, L, j, lo, pos, m->scores + t * cap);
+    for (int64_t i = t; i < B * nh; i += nt) {
+        int64_t b = i / nh, j = i % nh, p = pos[b];
+        int64_t lo = L->window > 0 && p + 1 > L->window ? p + 1 - L->window : 0;
+        float *q = R[b].q + j * hd;
+        if (L->q_norm) rms_norm(q, L->q_norm, hd, m->eps, q);
+        rope(q, L->cos + p * hd, L->sin + p * hd, hd);
+        attend(&R[b], L, off[b], j, lo, p, m->scores + t * cap);
     }
     barrier();
-    (L->o.d ? quantize_part_pairs : quantize_part)(m, m->att, nh * hd, t, nt);
+    for (int64_t b = 0; b < B; b++)
+        (L->o.d ? quantize_part_pairs : quantize_part)(&R[b], R[b].att, nh * hd, t, nt);
     barrier();
-    gemv_part(&L->o, m, m->att, h, t, nt);
+    gemv_rows(&L->o, R, B, m->att, K, m->h, K, t, nt);
     barrier();
-    if (t == 0) {
+    for (int64_t b = t; b < B; b += nt) {
+        float *h = R[b].h, *xb = x + b * H;
         if (L->post_attn_norm) rms_norm(h, L->post_attn_norm, H, m->eps, h);
-        for (int64_t i = 0; i < H; i++) x[i] += h[i];
+        for (int64_t i = 0; i < H; i++) xb[i] += h[i];
     }
     barrier();
 }
 
-/* One layer's MLP over the active prefix, run by every member; same barriers as above. */
-static void mlp_step(const si_model *m, const si_layer *L, float *x, int t, int nt) {
-    int64_t H = m->hidden, k = L->n_active;
-    float *h = m->h, *gu = m->gu, *a = m->a;
-    if (t == 0) rms_norm(x, L->pre_mlp_norm, H, m->eps, h);
+/* The residual add of an MLP's output (row scratch h) for every row; ends with a barrier. */
+static void mlp_residual(const si_model *m, const si_model *R, const si_layer *L, float *x,
+                         int64_t B, int t, int nt) {
+    int64_t H = m->hidden;
+    for (int64_t b = t; b < B; b += nt) {
+        float *h = R[b].h, *xb = x + b * H;
+        if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, H, m->eps, h);
+        for (int64_t i = 0; i < H; i++) xb[i] += h[i];
+    }
     barrier();
-    quantize_part(m, h, H, t, nt);
+}
+
+/* One layer's MLP over the active prefix for the B rows of a batch, run by every member; same
+   barriers as above. */
+static void mlp_rows(const si_model *m, const si_model *R, const si_layer *L, float *x,
+                     int64_t B, int t, int nt) {
+    int64_t H = m->hidden, k = L->n_active, K = m->max_k;
+    for (int64_t b = t; b < B; b += nt) rms_norm(x + b * H, L->pre_mlp_norm, H, m->eps, R[b].h);
+    barrier();
+    for (int64_t b = 0; b < B; b++) quantize_part(&R[b], R[b].h, H, t, nt);
     barrier();
     si_mat gum = {L->gu, L->gu_scale, 2 * k, H, H, NULL, 0, NULL};
-    gemv_part(&gum, m, h, gu, t, nt);
+    gemv_rows(&gum, R, B, m->h, K, m->gu, 2 * K, t, nt);
     barrier();
     /* activations and their quantization, block by block: a member's blocks are its own */
     int64_t b0, b1;
     share((k + QK - 1) / QK, t, nt, &b0, &b1);
-    for (int64_t n = b0 * QK; n < b1 * QK && n < k; n++)
-        a[n] = act(gu[2 * n], m->act) * gu[2 * n + 1] * L->down_scale[n];
-    quantize_blocks(a, k, b0, b1, m->xq, m->xd, m->xs);
-    barrier();
-    si_mat dm = {L->down, NULL, H, k, L->down_ld, NULL, 0, NULL};
-    gemv_part(&dm, m, a, h, t, nt);
-    barrier();
-    if (t == 0) {
-        if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, H, m->eps, h);
-        for (int64_t i = 0; i < H; i++) x[i] += h[i];
+    for (int64_t b = 0; b < B; b++) {
+        const si_model *r = &R[b];
+        for (int64_t n = b0 * QK; n < b1 * QK && n < k; n++)
+            r->a[n] = act(r->gu[2 * n], m->act) * r->gu[2 * n + 1] * L->down_scale[n];
+        quantize_blocks(r->a, k, b0, b1, r->xq, r->xd, r->xs);
     }
     barrier();
+    si_mat dm = {L->down, NULL, H, k, L->down_ld, NULL, 0, NULL};
+    gemv_rows(&dm, R, B, m->a, K, m->h, K, t, nt);
+    barrier();
+    mlp_residual(m, R, L, x, B, t, nt);
 }
 
-/* The MLP over 4-bit records: gate and up rows of the active records (split by neuron), a =
-   act(gate) * up, then the down columns of the same records (split by blocks of H). */
-static void mlp_step_q4(const si_model *m, const si_layer *L, float *x, int t, int nt) {
-    int64_t H = m->hidden, k = L->n_active, nb = H / QK, R = L->rec_ld;
-    float *h = m->h, *a = m->a;
-    if (t == 0) rms_norm(x, L->pre_mlp_norm, H, m->eps, h);
+/* The MLP over 4-bit records: gate and up rows of the active records (split by neuron; a
+   record is read once for every row), a = act(gate) * up, then the down columns of the same
+   records (split by blocks of H), row by row. */
+static void mlp_rows_q4(const si_model *m, const si_model *R, const si_layer *L, float *x,
+                        int64_t B, int t, int nt) {
+    int64_t H = m->hidden, k = L->n_active, nb = H / QK, RL = L->rec_ld;
+    for (int64_t b = t; b < B; b += nt) rms_norm(x + b * H, L->pre_mlp_norm, H, m->eps, R[b].h);
     barrier();
-    quantize_part_pairs(m, h, H, t, nt);
+    for (int64_t b = 0; b < B; b++) quantize_part_pairs(&R[b], R[b].h, H, t, nt);
     barrier();
     int64_t n0, n1;
     share(k, t, nt, &n0, &n1);
     for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *r = L->rec + n * R;
+        const uint8_t *r = L->rec + n * RL;
         const uint16_t *d = (const uint16_t *)(r + 3 * H / 2);
         /* records are read in two passes (gate/up here, down below) that skip a third of
            each: the next-but-one record's gate, up and their scales are fetched ahead */
         if (n + 2 < n1) {
-            const uint8_t *ahead = r + 2 * R;
+            const uint8_t *ahead = r + 2 * RL;
             for (int64_t o = 0; o < H; o += 64) __builtin_prefetch(ahead + o);
             for (int64_t o = 0; o < H / 8; o += 64) __builtin_prefetch(ahead + 3 * H / 2 + o);
         }
-        float g, u;
-        q4_row(r, d, nb, m->xq, m->xd, m->xs, &g);
-        q4_row(r + H / 2, d + nb, nb, m->xq, m->xd, m->xs, &u);
-        a[n] = act(g, m->act) * u;
+        for (int64_t b = 0; b < B; b++) {
+            const si_model *rb = &R[b];
+            float g, u;
+            q4_row(r, d, nb, rb->xq, rb->xd, rb->xs, &g);
+            q4_row(r + H / 2, d + nb, nb, rb->xq, rb->xd, rb->xs, &u);
+            rb->a[n] = act(g, m->act) * u;
+        }
     }
     barrier();
     int64_t b0, b1;
     share(nb, t, nt, &b0, &b1);
-    axpy_q4_part(a, k, NULL, L->rec + H, (const uint16_t *)(L->rec + 3 * H / 2) + 2 * nb, R, R / 2,
-                 h, b0, b1);
+    for (int64_t b = 0; b < B; b++)
+        axpy_q4_part(R[b].a, k, NULL, L->rec + H, (const uint16_t *)(L->rec + 3 * H / 2) + 2 * nb,
+                     RL, RL / 2, R[b].h, b0, b1);
     barrier();
-    if (t == 0) {
-        if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, H, m->eps, h);
-        for (int64_t i = 0; i < H; i++) x[i] += h[i];
-    }
-    barrier();
+    mlp_residual(m, R, L, x, B, t, nt);
 }
 
 /* Per-token selection, after every member t has put its cnt[t] kept slots and their values from
@@ -1545,26 +1605,41 @@ static double now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* x [H]: the token's embedding in, the last layer's output out. timing (NULL = off): seconds
-   in attention and in the MLP are added to timing[0] and timing[1]. threads: at most
-   m->teams. */
-int si_decode_layers(const si_model *m, const si_layer *layers, int64_t n_layers, float *x,
-                     int64_t pos, int threads, double *timing) {
-    if (pos >= m->cap) return -1;
+#define SI_MAX_BATCH 64
+
+/* x [B, H]: the batch rows' token embeddings in, the last layer's outputs out; row b at position
+   pos[b] with its KV cache off[b] floats into every layer's k_cache and v_cache. A batch reads
+   every weight once for all its rows; each row's result equals a step of that row alone (the
+   same operations in the same order). timing (NULL = off): seconds in attention and in the MLP
+   are added to timing[0] and timing[1]. threads: at most m->teams. Per-token selection layers
+   run row after row. Returns -1 for a position past the cache, -2 for more rows than the
+   scratch has. */
+int si_decode_batch(const si_model *m, const si_layer *layers, int64_t n_layers, float *x,
+                    int64_t B, const int64_t *pos, const int64_t *off, int threads,
+                    double *timing) {
+    int64_t room = m->batch > 0 ? m->batch : 1;
+    if (B < 1 || B > room || B > SI_MAX_BATCH) return -2;
+    for (int64_t b = 0; b < B; b++)
+        if (pos[b] < 0 || pos[b] >= m->cap) return -1;
+    si_model R[SI_MAX_BATCH];
+    for (int64_t b = 0; b < B; b++) row_scratch(m, b, &R[b]);
     threads = clamp_threads(threads);
     if (threads > m->teams) threads = (int)m->teams;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int t = team_id(), nt = team_size();
+        int64_t H = m->hidden;
         for (int64_t l = 0; l < n_layers; l++) {
             double t0 = timing && t == 0 ? now() : 0.0;
-            attention_step(m, &layers[l], x, pos, t, nt);
-            double t1 = timing && t == 0 ? now() : 0.0;
             const si_layer *L = &layers[l];
-            if (L->rec)
-                (L->token ? mlp_step_q4_token : mlp_step_q4)(m, L, x, t, nt);
-            else
-                (L->token ? mlp_step_token : mlp_step)(m, L, x, t, nt);
+            attention_rows(m, R, L, x, B, pos, off, t, nt);
+            double t1 = timing && t == 0 ? now() : 0.0;
+            if (L->token) {
+                for (int64_t b = 0; b < B; b++)
+                    (L->rec ? mlp_step_q4_token : mlp_step_token)(&R[b], L, x + b * H, t, nt);
+            } else {
+                (L->rec ? mlp_rows_q4 : mlp_rows)(m, R, L, x, B, t, nt);
+            }
             if (timing && t == 0) {
                 timing[0] += t1 - t0;
                 timing[1] += now() - t1;
@@ -1572,4 +1647,12 @@ int si_decode_layers(const si_model *m, const si_layer *layers, int64_t n_layers
         }
     }
     return 0;
+}
+
+/* One row: x [H], the token's embedding in, the last layer's output out (si_decode_batch with
+   B = 1, its cache at the layers' own). */
+int si_decode_layers(const si_model *m, const si_layer *layers, int64_t n_layers, float *x,
+                     int64_t pos, int threads, double *timing) {
+    const int64_t off = 0;
+    return si_decode_batch(m, layers, n_layers, x, 1, &pos, &off, threads, timing);
 }

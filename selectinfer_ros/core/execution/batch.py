@@ -1,0 +1,117 @@
+"""Continuous batching: requests that decode together, one pass over the weights per token.
+
+A request joins with its own prefill into a free KV slot of the lean decoder and leaves when it is
+done; between, each :meth:`Batch.step` appends one token to every running request
+(:meth:`Decoder.decode_batch`: the int8 kernel reads every weight once for all rows). Each request
+keeps its own sampling, seed, stop strings, grammar, text stream and cancel (:class:`Stream`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from .engine import Canceled, Engine, GenerationConfig, Stream
+from .metrics import RequestMetrics
+
+MAX_BATCH = 16  # rows one batched decode step may carry
+
+
+class Batch:
+    """Requests that decode together (continuous batching): each joins with its own prefill
+    (:meth:`join`) and leaves when it is done; :meth:`step` appends one token to every running
+    request in one pass over the weights (:meth:`Decoder.decode_batch`), each request keeping its
+    own KV cache slot, sampling, seed, stop strings, grammar, text stream and cancel. Greedy text
+    equals the request's alone (row b of a step is the same arithmetic as a step alone; only the
+    output product of 4 or more rows sums in another order). Only requests that compute the same
+    neurons may share a batch (:meth:`Engine.batch_refusal`). Not thread-safe: one thread owns a
+    batch (the engine's lock is held per call)."""
+
+    def __init__(self, engine: Engine, max_batch: int):
+        if engine.decoder is None:
+            raise ValueError(f"batched decoding needs the lean decoder ({engine.decode_path})")
+        if not 1 <= max_batch <= MAX_BATCH:
+            raise ValueError(f"max_batch {max_batch} outside [1, {MAX_BATCH}]")
+        self.engine, self.max_batch = engine, max_batch
+        self.running: list[Stream] = []
+        self.steps = 0  # batched decode steps taken
+        self.rows = 0  # tokens they produced (sum of the batch sizes)
+
+    @property
+    def room(self) -> int:
+        return self.max_batch - len(self.running)
+
+    def join(self, prompt: str | list[int], config: GenerationConfig | None = None,
+             on_text: Callable[[str, int], None] | None = None,
+             cancel: Callable[[], bool] | None = None) -> Stream:
+        """Prefill a request into a free slot; the stream joins the running ones unless its
+        first token already ends it (``finish`` set: take its :meth:`Stream.result`). ValueError
+        (checked before the model runs) for a request that may not batch, a full batch or a bad
+        prompt; a canceled prefill ends with ``finish`` "canceled"."""
+        e, t0 = self.engine, time.perf_counter()
+        config = config or GenerationConfig()
+        config.validate()
+        reason = e.batch_refusal(config)
+        if reason is not None:
+            raise ValueError(f"this request cannot decode in a batch: {reason}")
+        if self.room <= 0:
+            raise ValueError(f"the batch is full ({self.max_batch} requests)")
+        ids = prompt if isinstance(prompt, list) else e.encode(prompt, config.use_chat_template,
+                                                               config.special_tokens)
+        e.check_prompt(len(ids))
+        max_new = min(config.max_new_tokens, e.context_limit - len(ids))
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(config.seed if config.seed is not None and config.seed >= 0
+                        else int(time.time_ns() % (2**63)))
+        metrics = RequestMetrics(prompt_tokens=len(ids))
+        stream = Stream(e, ids, config, max_new, metrics, gen, on_text, cancel, t0)
+        used = {r.slot for r in self.running}
+        stream.slot = next(s for s in range(self.max_batch) if s not in used)
+        d = e.decoder
+        with e._lock, torch.inference_mode():
+            d.reserve(len(ids) + max_new, self.max_batch)
+            e._start(torch.tensor([ids]))
+            try:
+                if cancel is not None and cancel():
+                    raise Canceled
+                with e.cancel_between_layers(cancel):
+                    logits = d.prefill(ids, extra=max_new, slot=stream.slot)
+                done = stream.advance(logits)
+                e._end_prefill(metrics)
+            except Canceled:
+                stream.finish, done = "canceled", True
+            finally:
+                if e.state is not None:
+                    e.state.prefill = True
+        if not done:
+            self.running.append(stream)
+        return stream
+
+    def step(self) -> list[Stream]:
+        """One token for every running request; the requests it ended (removed from the batch;
+        take each one's :meth:`Stream.result`). An exception leaves the batch as it was."""
+        if not self.running:
+            return []
+        e, d = self.engine, self.engine.decoder
+        rows = self.running
+        with e._lock, torch.inference_mode():
+            if e.state is not None:
+                e.state.prefill = False
+            try:
+                logits = d.decode_batch([r.tok for r in rows], [r.slot for r in rows])  # [B, V]
+            finally:
+                if e.state is not None:
+                    e.state.prefill = True
+        self.steps += 1
+        self.rows += len(rows)
+        done = [r for b, r in enumerate(rows) if r.advance(logits[b])]
+        self.running = [r for r in rows if r.finish is None]
+        return done
+
+    def cancel_all(self, finish: str = "canceled") -> list[Stream]:
+        """End every running request (``finish``); they are returned, the batch is empty."""
+        ended, self.running = self.running, []
+        for r in ended:
+            r.finish = finish
+        return ended

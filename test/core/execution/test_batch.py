@@ -1,0 +1,106 @@
+"""Continuous batching: requests decoded together keep their own texts, limits and cancels."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from selectinfer_ros.core.execution.batch import Batch
+from selectinfer_ros.core.execution.engine import Engine, GenerationConfig
+from selectinfer_ros.core.selection.loader import SelectiveModel
+from selectinfer_ros.lab.bench import pack_of
+
+DATA = Path(__file__).resolve().parents[3] / "selectinfer_ros" / "data" / "eval_alt"
+
+
+def _prompts(n: int) -> list[str]:
+    """``n`` prompts of the held-out set's tasks in turn (phrased unlike profiling; prose: the
+    opening of a text to continue)."""
+    per = [[r.get("prompt") or r["text"][:300] for r in map(json.loads, f.read_text().splitlines())]
+           for f in sorted(DATA.glob("*.jsonl"))]
+    return [p for group in zip(*per) for p in group][:n]
+
+
+def _run(batch: Batch, jobs: list[tuple[str, GenerationConfig]], cancel_at: dict | None = None
+         ) -> list:
+    """Every job through ``batch``: each joins as soon as a slot is free (continuous
+    batching), the running ones step together; the results in job order."""
+    results: dict[int, object] = {}
+    streams: dict[int, object] = {}
+    waiting = list(enumerate(jobs))
+    while waiting or batch.running:
+        while waiting and batch.room > 0:
+            i, (prompt, cfg) = waiting.pop(0)
+            s = streams[i] = batch.join(prompt, cfg, cancel=(cancel_at or {}).get(i))
+            if s.finish is not None:
+                results[i] = s.result()
+        for s in batch.step():
+            i = next(k for k, v in streams.items() if v is s)
+            results[i] = s.result()
+    return [results[i] for i in range(len(jobs))]
+
+
+@pytest.fixture(scope="module")
+def int8_engine(embedded, embedded_profiles):
+    sm = SelectiveModel(pack_of(embedded, "int8", lambda s: None), embedded_profiles, "qa",
+                        load_ratio=1.0)
+    e = Engine.from_selective(sm)
+    assert e.decoder.path == "int8 decode kernel"
+    return e
+
+
+def test_greedy_texts_in_a_batch_of_4_equal_each_request_alone(int8_engine):
+    """20 held-out prompts of the embedded model (int8, the decode kernel), greedy: the same
+    text and finish whether a request runs alone or joins a batch of up to 4 as slots free."""
+    cfg = GenerationConfig(max_new_tokens=24, stop=["\n"])
+    prompts = _prompts(20)
+    alone = [int8_engine.generate(p, cfg) for p in prompts]
+    batch = Batch(int8_engine, 4)
+    together = _run(batch, [(p, cfg) for p in prompts])
+    assert [r.text for r in together] == [r.text for r in alone]
+    assert [r.finish_reason for r in together] == [r.finish_reason for r in alone]
+    assert batch.rows > 2 * batch.steps  # the steps carried several requests at once
+    assert not batch.running
+
+
+def test_canceling_one_request_leaves_the_others_texts(int8_engine):
+    """One request of a running batch canceled after its 3rd streamed token: it ends
+    "canceled" with the text it streamed; the others' texts equal their runs alone; a request
+    with its own sampling seed reproduces its text alone."""
+    prompts = _prompts(4)
+    greedy = GenerationConfig(max_new_tokens=16)
+    sampled = GenerationConfig(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=7)
+    jobs = [(prompts[0], greedy), (prompts[1], sampled), (prompts[2], greedy),
+            (prompts[3], greedy)]
+    alone = [int8_engine.generate(p, c) for p, c in jobs]
+    calls = {"n": 0}
+
+    def cancel() -> bool:
+        calls["n"] += 1
+        return calls["n"] > 3
+
+    batch = Batch(int8_engine, 4)
+    results = _run(batch, jobs, cancel_at={2: cancel})
+    assert results[2].finish_reason == "canceled"
+    assert alone[2].text.startswith(results[2].text) and len(results[2].text) < len(alone[2].text)
+    for i in (0, 1, 3):
+        assert results[i].text == alone[i].text, i
+
+
+def test_requests_that_choose_their_own_neurons_are_refused_before_the_model_runs(
+        int8_engine, tiny_models, tiny_profiles):
+    """A batch shares the computed neurons: a request whose prompt chooses its own (compute
+    ratio below the load ratio) is refused with the reason, and so is one more than the batch
+    holds; the batch keeps serving."""
+    batch = Batch(int8_engine, 1)
+    with pytest.raises(ValueError, match="compute ratio 0.5 below the load ratio 1"):
+        batch.join("Hello", GenerationConfig(compute_ratio=0.5))
+    s = batch.join("The robot", GenerationConfig(max_new_tokens=4))
+    with pytest.raises(ValueError, match="the batch is full"):
+        batch.join("Hello", GenerationConfig(max_new_tokens=4))
+    while batch.running:
+        batch.step()
+    assert s.result().finish_reason == "length"
+    with pytest.raises(ValueError, match=r"max_batch 0 outside \[1, 16\]"):
+        Batch(int8_engine, 0)
