@@ -23,6 +23,7 @@ DTYPES = ("", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16", "auto")
 KINDS = {"str": str, "float": float, "int": int, "bool": bool}
 MAX_TOKENS_LIMIT = 1_000_000  # max_new_tokens(_limit) of a node
 MAX_QUEUE_LENGTH = 1000  # goals that may wait
+MAX_BATCH = 16  # goals one batched decode step may carry
 
 
 class ParamError(ValueError):
@@ -201,6 +202,9 @@ class NodeSettings(ModelOptions):
                                       hi=MAX_TOKENS_LIMIT, runtime=True)
     queue_length: int = param(4, "goals that may wait behind the running one; more are rejected "
                               "at once (QUEUE_FULL)", lo=0, hi=MAX_QUEUE_LENGTH, runtime=True)
+    max_batch: int = param(4, "running goals decoded together, one pass over the weights per "
+                           "token (goals that compute the same neurons; 1: one at a time)", lo=1,
+                           hi=MAX_BATCH, runtime=True)
     diagnostics_period: float = param(1.0, "seconds between diagnostics messages", lo=0.05,
                                       hi=3600.0, runtime=True)
     memory_headroom_mb: float = param(512.0, "diagnostics WARN when the system's available "

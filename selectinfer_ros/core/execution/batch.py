@@ -14,8 +14,7 @@ import torch
 
 from .engine import Canceled, Engine, GenerationConfig, Stream
 from .metrics import RequestMetrics
-
-MAX_BATCH = 16  # rows one batched decode step may carry
+from ..options import MAX_BATCH
 
 
 class Batch:
@@ -103,9 +102,9 @@ class Batch:
             finally:
                 if e.state is not None:
                     e.state.prefill = True
-        self.steps += 1
-        self.rows += len(rows)
-        done = [r for b, r in enumerate(rows) if r.advance(logits[b])]
+            self.steps += 1
+            self.rows += len(rows)
+            done = [r for b, r in enumerate(rows) if r.advance(logits[b])]
         self.running = [r for r in rows if r.finish is None]
         return done
 

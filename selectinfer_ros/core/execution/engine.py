@@ -451,10 +451,11 @@ class Engine:
             return None
         if sm.state.per_token:
             return "per-token selection (each token computes its own neurons)"
-        ratio = sm.compute_ratio if config.compute_ratio is None else config.compute_ratio
-        if ratio < sm.load_ratio - 1e-9:
-            return (f"compute ratio {ratio:g} below the load ratio {float(sm.load_ratio):g} (the "
-                    "prompt chooses the neurons its tokens compute)")
+        gamma = float(sm.load_ratio)
+        for ratio in (config.compute_ratio, sm.compute_ratio):  # the request's, the model's
+            if ratio is not None and ratio < gamma - 1e-9:
+                return (f"compute ratio {ratio:g} below the load ratio {gamma:g} (the prompt "
+                        "chooses the neurons its tokens compute)")
         return None
 
     @torch.inference_mode()

@@ -1,14 +1,21 @@
-"""Serving requests one at a time: a bounded queue and one worker thread that owns the model.
+"""Serving requests: a bounded queue and one worker thread that owns the model.
 
 ROS-free. The inference node is an adapter: its goal callback calls :func:`goal_config`,
 :meth:`Server.check_prompt` and :meth:`Server.admit` (all answer at once), its accepted callback
 submits a :class:`GoalJob` whose callbacks publish feedback and the result, and its lifecycle
 transitions call :meth:`Server.load`, :meth:`Server.drain` and :meth:`Server.unload`.
 
-Guarantees: goals run in arrival order; a goal canceled while it waits leaves the queue at once
-(its slot is free for the next goal); a running goal is canceled or aborted within one decode
+Guarantees: goals start in arrival order; a goal canceled while it waits leaves the queue at
+once (its slot is free for the next goal); a running goal is canceled or aborted within one decode
 step; a task switch (reload) waits in the same queue, may be abandoned only while it waits, and
 once started always completes before its caller hears back.
+
+Up to ``max_batch`` goals decode together (:class:`Batch`: one pass over the weights per token):
+a goal at the head of the queue joins the running ones after its own prefill when there is room
+and it computes the same neurons (:meth:`Engine.batch_refusal`; no ``choices``, no task switch);
+any other job at the head (a task switch, a ``choices`` goal, a goal that chooses its own
+neurons, a call) waits until the running goals are done, then runs alone. ``max_batch`` 1: one
+goal at a time.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..execution.batch import Batch
 from ..execution.constrain import GrammarError, grammars_available
 from ..execution.engine import (Canceled, ChoiceResult, ContextLengthError, GenerationConfig,
                                 GenerationResult, check_choice_sizes, encode, validate_choices)
@@ -212,8 +220,10 @@ def _check_sampling(goal) -> None:
 class Server:
     """The queue and the worker thread (see the module docstring)."""
 
-    def __init__(self, queue_length: int = 4, log: Callable[[str], None] = lambda s: None):
+    def __init__(self, queue_length: int = 4, log: Callable[[str], None] = lambda s: None,
+                 max_batch: int = 1):
         self.queue_length = queue_length
+        self.max_batch = max_batch  # goals that decode together (read when a batch forms)
         self.log = log
         self.on_switch: Callable[[SwitchReport], None] = lambda report: None
         self.accepting = False  # goals are admitted only while true (the node is active)
@@ -225,7 +235,8 @@ class Server:
         self._cond = threading.Condition(self._lock)
         self._queue: collections.deque = collections.deque()
         self._in_system = 0  # admitted goals not finished (running + waiting)
-        self._running: GoalJob | None = None
+        self._running: list[GoalJob] = []  # in the order they started
+        self.aggregate_tokens_per_second = 0.0  # decode tok/s of all goals of the last batch
         self._reloading = False  # a reload is running on the worker
         self._current_reload: _Reload | None = None
         self._stopping = False
@@ -252,14 +263,16 @@ class Server:
                     return
                 job = self._queue.popleft()
                 if isinstance(job, GoalJob):
-                    self._running = job
+                    self._running.append(job)
                 elif isinstance(job, _Reload):
                     job.state = "running"
                     self._reloading = True
                     self._current_reload = job
+            batched = False
             try:
                 if isinstance(job, GoalJob):
-                    self._run_goal(job)
+                    batched = self._batchable(job)
+                    (self._run_batch if batched else self._run_goal)(job)
                 elif isinstance(job, _Reload):
                     self._run_reload(job)
                 else:
@@ -270,9 +283,14 @@ class Server:
                 with self._lock:
                     self._reloading = False
                     self._current_reload = None
-                    if isinstance(job, GoalJob):
-                        self._running = None
-                        self._in_system -= 1
+                    if isinstance(job, GoalJob) and not batched:
+                        self._leave_locked(job)
+
+    def _leave_locked(self, job: GoalJob) -> None:
+        """A running goal is done (with the lock held)."""
+        if job in self._running:
+            self._running.remove(job)
+        self._in_system -= 1
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the worker thread after the jobs ahead of it; its value or exception."""
@@ -419,10 +437,18 @@ class Server:
                                          "not yet configured)")
             if self.runtime is None:
                 raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
-            if self._in_system >= self.queue_length + 1:
+            if self._in_system >= self.queue_length + self._max_running():
                 raise Rejected(QUEUE_FULL, f"queue full: {self._in_system} goals in progress, "
                                            f"queue_length {self.queue_length}")
             self._in_system += 1
+
+    def _max_running(self) -> int:
+        """Goals that may run at once: ``max_batch`` where the model's goals batch (every loaded
+        neuron computed), else 1."""
+        rt = self.runtime
+        if self.max_batch < 2 or rt is None or getattr(rt.engine, "decoder", None) is None:
+            return 1
+        return self.max_batch if rt.engine.batch_refusal(GenerationConfig()) is None else 1
 
     def release(self) -> None:
         """Give back the place of an admitted goal that will not be submitted."""
@@ -471,8 +497,8 @@ class Server:
             for j in waiting:
                 self._queue.remove(j)
             self._in_system -= sum(isinstance(j, GoalJob) for j in waiting)
-            if self._running is not None:
-                self._running.abort_code, self._running.abort_reason = NO_MODEL, reason
+            for job in self._running:
+                job.abort_code, job.abort_reason = NO_MODEL, reason
             if self._current_reload is not None:
                 self._current_reload.abandon = reason
         for j in waiting:
@@ -488,7 +514,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
-                if self._running is None and not any(isinstance(j, GoalJob) for j in self._queue):
+                if not self._running and not any(isinstance(j, GoalJob) for j in self._queue):
                     return True
             if time.monotonic() > deadline:
                 return False
@@ -509,24 +535,31 @@ class Server:
         """End ``job`` with ``code`` and ``reason`` if it is the running goal (within one decode
         step; aborted with the text so far); False if it is not running."""
         with self._lock:
-            if self._running is not job or job.abort_reason is not None:
+            if job not in self._running or job.abort_reason is not None:
                 return False
             job.abort_code, job.abort_reason = code, reason
         return True
 
     @property
     def running(self) -> GoalJob | None:
-        """The goal running now, or None."""
-        return self._running
+        """The goal that started first of those running now, or None."""
+        with self._lock:
+            return self._running[0] if self._running else None
+
+    @property
+    def running_jobs(self) -> list[GoalJob]:
+        """The goals running now (several while they decode in a batch)."""
+        with self._lock:
+            return list(self._running)
 
     @property
     def generating(self) -> bool:
-        return self._running is not None
+        return bool(self._running)
 
     @property
     def waiting(self) -> int:
         with self._lock:
-            return self._in_system - (1 if self._running is not None else 0)
+            return self._in_system - len(self._running)
 
     def _finish(self, job: GoalJob, outcome: Outcome) -> None:
         rt = self.runtime
@@ -581,6 +614,11 @@ class Server:
         except Exception as e:  # noqa: BLE001 - abort this goal, keep serving
             return self._finish(job, Outcome("aborted", GENERATION_FAILED,
                                              f"generation failed: {type(e).__name__}: {e}"))
+        self._finish(job, self._outcome(job, res, rt))
+
+    @staticmethod
+    def _outcome(job: GoalJob, res: GenerationResult, rt) -> Outcome:
+        """A generation's outcome: succeeded, or canceled / aborted with the text so far."""
         out = Outcome("succeeded", result=res, task=rt.task, load_ratio=float(rt.load_ratio),
                       compute_ratio=job.compute_ratio)
         if res.finish_reason == "canceled":
@@ -590,7 +628,99 @@ class Server:
                 out.status, out.code = "aborted", job.abort_code
                 out.message = f"{job.abort_reason}; generation stopped after " \
                               f"{res.metrics.generated_tokens} tokens"
-        self._finish(job, out)
+        return out
+
+    # ---- goals decoded together -----------------------------------------------------------
+    def _batchable(self, job: GoalJob) -> bool:
+        """Whether ``job`` may decode in a batch (see the module docstring)."""
+        rt = self.runtime
+        if self.max_batch < 2 or rt is None or job.choices or job.refused is not None:
+            return False
+        if job.task and job.task != rt.task:
+            return False
+        return getattr(rt.engine, "decoder", None) is not None and \
+            rt.engine.batch_refusal(job.config) is None
+
+    def _next_for_batch(self, batch: Batch) -> GoalJob | None:
+        """The goal at the head of the queue, taken out to join ``batch`` (None: no room, or the
+        head is not a goal that may join)."""
+        with self._lock:
+            if batch.room <= 0 or not self._queue or self._stopping:
+                return None
+            head = self._queue[0]
+            if not isinstance(head, GoalJob) or not self._batchable(head):
+                return None
+            self._queue.popleft()
+            self._running.append(head)
+            return head
+
+    def _end_batched(self, job: GoalJob, outcome: Outcome) -> None:
+        self._finish(job, outcome)
+        with self._lock:
+            self._leave_locked(job)
+
+    def _join(self, batch: Batch, job: GoalJob, jobs: dict) -> None:
+        """Start ``job``: its prefill, then it decodes with the batch (or it ends here)."""
+        rt = self.runtime
+        job.started_at = time.monotonic()
+        job.on_start()
+        if job.cancel_requested():
+            return self._end_batched(job, Outcome("canceled", CANCELED, "canceled before it started"))
+        if job.abort_reason is not None:
+            return self._end_batched(job, Outcome("aborted", job.abort_code, job.abort_reason))
+        stop = lambda: job.cancel_requested() or job.abort_reason is not None  # noqa: E731
+        try:
+            stream = batch.join(job.prompt, job.config, on_text=job.on_text, cancel=stop)
+        except ContextLengthError as e:
+            return self._end_batched(job, Outcome("aborted", PROMPT_TOO_LONG, str(e)))
+        except ValueError as e:
+            return self._end_batched(job, Outcome("aborted", INVALID_GOAL, str(e)))
+        except Exception as e:  # noqa: BLE001 - abort this goal, keep serving
+            return self._end_batched(job, Outcome("aborted", GENERATION_FAILED,
+                                                  f"generation failed: {type(e).__name__}: {e}"))
+        if stream.finish is not None:
+            return self._complete(job, stream)
+        jobs[id(stream)] = job
+
+    def _complete(self, job: GoalJob, stream) -> None:
+        rt = self.runtime
+        res = stream.result()
+        rt.stats.record(res.metrics)
+        self._end_batched(job, self._outcome(job, res, rt))
+
+    def _run_batch(self, first: GoalJob) -> None:
+        """Decode ``first`` and every goal that may join it, until none runs (worker thread)."""
+        batch = Batch(self.runtime.engine, self.max_batch)
+        jobs: dict[int, GoalJob] = {}  # id(stream) -> its goal
+        pending: GoalJob | None = first
+        t_steps = 0.0  # seconds in batched steps
+        try:
+            while True:
+                while pending is not None:
+                    self._join(batch, pending, jobs)
+                    pending = self._next_for_batch(batch)
+                if not batch.running:
+                    return
+                try:
+                    t0 = time.perf_counter()
+                    ended = batch.step()
+                    t_steps += time.perf_counter() - t0
+                    self.aggregate_tokens_per_second = batch.rows / t_steps
+                except Exception as e:  # noqa: BLE001 - abort these goals, keep serving
+                    self.log(f"batched step failed: {type(e).__name__}: {e}\n"
+                             f"{traceback.format_exc()}")
+                    for s in batch.cancel_all():
+                        self._end_batched(jobs.pop(id(s)), Outcome(
+                            "aborted", GENERATION_FAILED,
+                            f"generation failed: {type(e).__name__}: {e}"))
+                    return
+                for s in ended:
+                    self._complete(jobs.pop(id(s)), s)
+                pending = self._next_for_batch(batch)
+        finally:
+            for s in batch.cancel_all():  # only after an unexpected error
+                self._end_batched(jobs.pop(id(s)), Outcome("aborted", GENERATION_FAILED,
+                                                           "the batch ended unexpectedly"))
 
     # ---- task switches --------------------------------------------------------------------
     def _switch(self, rt, task: str, cancel: Callable[[], bool] | None = None) -> SwitchReport:

@@ -28,6 +28,7 @@ MEMORY_KEYS = ("weight_bytes", "ffn_weight_bytes", "other_weight_bytes", "proces
                "memory_headroom_bytes", "load_ratio", "compute_ratio", "neurons_loaded")
 THROUGHPUT_KEYS = ("last_tokens_per_second", "average_tokens_per_second",
                    "last_time_to_first_token", "last_computed_share", "queue_depth", "queue_length", "generating",
+                   "running_goals", "max_batch", "aggregate_tokens_per_second",
                    "goals_succeeded", "goals_canceled", "goals_aborted", "goals_rejected",
                    "last_rejection", "lifecycle_state")
 PROFILE_KEYS = ("active_task", "tasks", "model_id", "load_ratio", "static_ratio", "compute_ratio",
@@ -62,6 +63,9 @@ class Snapshot:
     queue_depth: int = 0
     queue_length: int = 0
     generating: bool = False
+    running_goals: int = 0  # decoding now (together, up to max_batch)
+    max_batch: int = 1
+    aggregate_tokens_per_second: float = 0.0  # all goals of the current (or last) batch together
     succeeded: int = 0
     canceled: int = 0
     aborted: int = 0
@@ -132,6 +136,8 @@ def throughput_status(s: Snapshot) -> DiagnosticStatus:
         "last_time_to_first_token": float(s.last_time_to_first_token),
         "last_computed_share": float(s.last_computed_share),
         "queue_depth": s.queue_depth, "queue_length": s.queue_length, "generating": s.generating,
+        "running_goals": s.running_goals, "max_batch": s.max_batch,
+        "aggregate_tokens_per_second": float(s.aggregate_tokens_per_second),
         "goals_succeeded": s.succeeded, "goals_canceled": s.canceled,
         "goals_aborted": s.aborted, "goals_rejected": s.rejected,
         "last_rejection": s.last_rejection, "lifecycle_state": s.lifecycle_state,
@@ -143,7 +149,8 @@ def throughput_status(s: Snapshot) -> DiagnosticStatus:
     elif s.queue_full:
         level, msg = WARN, f"goal queue full ({s.queue_depth}/{s.queue_length}): new goals are rejected"
     else:
-        state = "generating" if s.generating else "idle"
+        state = (f"generating ({s.running_goals} goals, {s.aggregate_tokens_per_second:.1f} tok/s "
+                 "together)" if s.running_goals > 1 else "generating" if s.generating else "idle")
         msg = f"{state}, {s.last_tokens_per_second:.1f} tok/s last, queue {s.queue_depth}/{s.queue_length}"
         level = OK
     return _status(f"{s.node_name}: throughput", s.device, level, msg, values)

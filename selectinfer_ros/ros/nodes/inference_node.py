@@ -146,7 +146,8 @@ class InferenceNode(LifecycleNodeMixin, Node):
         self._goals: dict[bytes, _Goal] = {}
         self._failed: dict[bytes, str] = {}  # accepted goals that could not be queued: why
         self._executing = 0  # execute callbacks not returned yet
-        self.server = Server(self.settings.queue_length, log=self.get_logger().info)
+        self.server = Server(self.settings.queue_length, log=self.get_logger().info,
+                             max_batch=self.settings.max_batch)
         self.server.on_switch = lambda report: self._publish_loaded()
         self.server.start()
         self._goal_group = ReentrantCallbackGroup()
@@ -218,6 +219,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
             self.get_logger().error("activate refused: no model loaded")
             return TransitionCallbackReturn.FAILURE
         self.server.queue_length = self.settings.queue_length
+        self.server.max_batch = self.settings.max_batch
         self.server.accepting = True
         self._action_server = SafeActionServer(
             self, Generate, "generate",
@@ -395,9 +397,12 @@ class InferenceNode(LifecycleNodeMixin, Node):
         self._probe.publish(Generate.Impl.FeedbackMessage())  # also while idle: a baseline
         if self._probe.wait_for_all_acked(Duration(seconds=min(1.0, s.client_timeout / 2))):
             self._acked_at = time.monotonic()
-        job = self.server.running
-        if job is None or job.started_at is None:
-            return
+        for job in self.server.running_jobs:
+            if job.started_at is not None:
+                self._check_job(job, s)
+
+    def _check_job(self, job: GoalJob, s) -> None:
+        """End a running goal that ran too long or whose client is gone or frozen."""
         with self._lock:
             g = next((x for x in self._goals.values() if x.job is job), None)
         now = time.monotonic()
@@ -481,6 +486,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
             self.destroy_timer(old_timer)
         self.settings = new
         self.server.queue_length = new.queue_length
+        self.server.max_batch = new.max_batch  # from the next batch that forms
         return SetParametersResult(successful=True)
 
     # ---- diagnostics ----------------------------------------------------------------------
@@ -494,7 +500,9 @@ class InferenceNode(LifecycleNodeMixin, Node):
             memory_headroom_bytes=int(s.memory_headroom_mb * 2**20),
             queue_depth=max(0, srv.waiting), queue_length=s.queue_length,
             generating=srv.generating, rejected=srv.rejected_without_model,
-            last_rejection=srv.last_rejection)
+            last_rejection=srv.last_rejection, running_goals=len(srv.running_jobs),
+            max_batch=s.max_batch,
+            aggregate_tokens_per_second=srv.aggregate_tokens_per_second)
         if rt is None:
             return snap
         st = rt.stats

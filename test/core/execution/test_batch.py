@@ -104,3 +104,20 @@ def test_requests_that_choose_their_own_neurons_are_refused_before_the_model_run
     assert s.result().finish_reason == "length"
     with pytest.raises(ValueError, match=r"max_batch 0 outside \[1, 16\]"):
         Batch(int8_engine, 0)
+
+
+def test_grammar_and_stop_strings_hold_per_request(int8_engine):
+    """A JSON-schema request and a stop-string request in one batch: each ends as it does alone
+    (the grammar's mask and the stop strings are the request's own)."""
+    schema = ('{"type": "object", "properties": {"ok": {"type": "boolean"}}, '
+              '"required": ["ok"]}')
+    jobs = [("Answer in JSON. Is the door open?", GenerationConfig(max_new_tokens=24,
+                                                                  json_schema=schema)),
+            ("Count: one, two, three,", GenerationConfig(max_new_tokens=24, stop=[","]))]
+    if not int8_engine.grammars.wait_ready(120.0):
+        pytest.fail("the grammar vocabulary was not prepared")
+    alone = [int8_engine.generate(p, c) for p, c in jobs]
+    together = _run(Batch(int8_engine, 2), jobs)
+    assert [(r.text, r.finish_reason) for r in together] == \
+        [(r.text, r.finish_reason) for r in alone]
+    assert together[0].finish_reason == "grammar" and together[1].finish_reason == "stop"

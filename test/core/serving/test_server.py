@@ -281,3 +281,63 @@ def test_goal_config_refuses_with_reasons(server):
         with pytest.raises(Rejected) as e:
             serving.goal_config(SimpleNamespace(**{**base, **over}), s, server.runtime)
         assert e.value.code == code and needle in e.value.reason
+
+
+@pytest.fixture
+def batch_server(tiny_models, tiny_profiles):
+    """The tiny Llama computing every loaded neuron (goals may batch), max_batch 3."""
+    from selectinfer_ros.core.options import ModelOptions
+    from selectinfer_ros.core.serving.runtime import Runtime
+    _, packed = tiny_models["tiny-llama"]
+    opts = ModelOptions(model=str(packed), profiles=str(tiny_profiles["tiny-llama"]), task="alpha",
+                        load_ratio=1.0, context_limit=64)
+    srv = Server(queue_length=4, max_batch=3)
+    srv.start()
+    try:
+        srv.load(lambda: Runtime(opts))
+        srv.accepting = True
+        yield srv
+    finally:
+        srv.stop(timeout=10.0)
+
+
+def test_goals_decode_together_each_with_its_own_text_and_cancel(batch_server):
+    """Four goals submitted while the worker is held: the first three run together (each starts
+    before any ends), the fourth joins when a slot frees; a goal canceled in the batch ends
+    CANCELED with the text it streamed, the others' texts equal their runs alone; the queue's
+    accounting is back to empty."""
+    srv = batch_server
+    hold, events = threading.Event(), []
+    prompts = ["w10 w11 w12", "w20 w21 w22 w23 w24", "w30", "w40 w41"]
+    cfg = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    clients, jobs = [], []
+    for i, p in enumerate(prompts):
+        c = SimpleNamespace(done=threading.Event(), texts=[])
+
+        def cancel(c=c, i=i) -> bool:  # the second goal: after its third streamed piece
+            return i == 1 and len(c.texts) >= 3
+
+        def start(i=i) -> None:
+            events.append(("start", i))
+            hold.wait(30.0)
+
+        def done(outcome, c=c, i=i) -> None:
+            events.append(("end", i))
+            c.done.set()
+        job = GoalJob(p, cfg, "", 1.0, cancel, start,
+                      lambda d, n, c=c: c.texts.append(d), done)
+        srv.admit()
+        srv.submit(job)
+        clients.append(c)
+        jobs.append(job)
+    hold.set()
+    assert all(c.done.wait(60.0) for c in clients)
+    first_end = events.index(next(e for e in events if e[0] == "end"))
+    assert {i for kind, i in events[:first_end] if kind == "start"} == {0, 1, 2}, events
+    assert jobs[1].outcome.status == "canceled"
+    assert "".join(clients[1].texts) == jobs[1].outcome.result.text
+    engine = srv.runtime.engine
+    for i in (0, 2, 3):
+        assert jobs[i].outcome.status == "succeeded"
+        assert jobs[i].outcome.result.text == engine.generate(prompts[i], cfg).text, i
+    assert srv.running is None and srv.waiting == 0 and srv.aggregate_tokens_per_second > 0

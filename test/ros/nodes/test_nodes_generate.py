@@ -300,3 +300,24 @@ def test_bad_parameters_at_start_are_refused_with_reason(ros_context, tiny_llm, 
         assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS, node.load_error
     finally:
         node.destroy_node()
+
+
+def test_four_clients_at_once_decode_together(llm_graph):
+    """Every loaded neuron computed (goals may batch), max_batch 4: four clients' goals sent at
+    once all succeed, run together (each one's first feedback comes before any goal's last),
+    each with the text it gets alone; diagnostics saw the batch."""
+    g = llm_graph(load_ratio=1.0, compute_ratio=1.0, max_batch=4, queue_length=0).ready()
+    clients = g.new_action_clients(4)
+    for c in clients:
+        assert c.wait_for_server(timeout_sec=10.0)
+    goals = [g.goal(f'w{30 + i} w{40 + i} w7', max_new_tokens=40) for i in range(4)]
+    runs = [g.send(goal, client=c) for goal, c in zip(goals, clients)]
+    assert all(r.accepted for r in runs)  # queue_length 0: room for the 4 running ones
+    for r in runs:
+        r.wait(120.0)
+    assert [r.status for r in runs] == [GoalStatus.STATUS_SUCCEEDED] * 4
+    last_first = max(r.feedback[0][0] for r in runs)
+    assert all(last_first < r.feedback[-1][0] for r in runs), 'the goals did not overlap'
+    assert g.node.server.aggregate_tokens_per_second > 0
+    for goal, r in zip(goals, runs):
+        assert g.run(goal).result.text == r.result.text  # alone: the same text

@@ -173,8 +173,11 @@ def test_a_killed_client_goal_ends_and_the_next_caller_is_served(llm_graph, embe
     ~20 s): the node ends that goal once the client stops acknowledging, and the next caller's
     first token comes within seconds (the issue measures 5 s; 49-52 s before)."""
     _, tasks = embedded_ready
+    # max_batch 1: the next caller waits behind the dead client's goal (in a batch it joins at
+    # once, and the dead goal keeps its slot until its client leaves the graph)
     g = llm_graph(model='', profiles='', task=tasks[0], load_ratio=0.9, compute_ratio=0.9,
-                  max_new_tokens_limit=1000, client_timeout=2.0).ready(timeout=180.0)
+                  max_new_tokens_limit=1000, client_timeout=2.0,
+                  max_batch=1).ready(timeout=180.0)
     victim = subprocess.Popen([sys.executable, '-c', VICTIM, g.namespace], env=_env(), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = Lines(victim)
