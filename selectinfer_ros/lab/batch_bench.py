@@ -23,7 +23,7 @@ import torch
 
 from ..core.execution.batch import Batch
 from ..core.execution.engine import Engine, GenerationConfig
-from ..core.format import int8
+from ..core.format import kernel as native
 from ..core.selection.loader import SelectiveModel
 from .bench import pack_of, resolve_model
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = int(sm.model.config.vocab_size)
     prompt = torch.randint(100, min(vocab, 30000), (args.prompt_tokens,), generator=g).tolist()
     cfg = GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True)
-    kern = int8.kernel()
+    kern = native.kernel()
     isa = kern.isa if kern is not None else "none"
     print(f"# {sm.manifest.model_id} {args.weights[0]}, {engine.decode_path}, kernel path {isa}, "
           f"{args.threads} threads, CPU {_cpu()}")

@@ -426,7 +426,8 @@ class NativeInt8Step:
         teams = max(1, torch.get_num_threads())  # a scores row per thread
         batch = max(1, d.slots)
         dtypes = dict(xq=torch.int8, xs=torch.int32, idx=torch.int32, cnt=torch.int64,
-                      cand=torch.int64)  # idx: per-token kept slots; cand: candidates
+                      cand=torch.int64, prep=torch.uint8)  # idx: per-token kept slots; cand:
+        # candidates; prep: the activations prepared for the few-rows products
         bufs = {name: torch.empty(n, dtype=dtypes.get(name, torch.float32))
                 for name, n in native.scratch_sizes(max_k, teams, d.capacity, batch).items()}
         self._keep = list(bufs.values())

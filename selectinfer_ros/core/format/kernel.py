@@ -90,18 +90,19 @@ class ModelC(ctypes.Structure):
                                                   "cnt",  # int64 [teams + 1]
                                                   "cand")]  # int64 [teams]
                 # rows of a batch the scratch holds (row strides: see scratch_sizes)
-                + [("batch", ctypes.c_int64)])
+                + [("batch", ctypes.c_int64),
+                   ("prep", ctypes.c_void_p)])  # uint8: activations prepared (see scratch_sizes)
 
 
 def scratch_sizes(max_k: int, teams: int, cap: int, batch: int) -> dict[str, int]:
     """Elements of each scratch buffer of :class:`ModelC` for ``batch`` rows (si_model's row
     strides: h, q, att, a ``max_k``; kv, gu ``2 max_k``; xq ``max_k + 32`` bytes; xd, xs
-    ``max_k / 32 + 2``)."""
+    ``max_k / 32 + 2``; prep ``(max_k / 64 + 2) * 128`` bytes: C's prep_bytes)."""
     nb = max_k // 32 + 2
     return dict(h=batch * max_k, q=batch * max_k, kv=batch * 2 * max_k, att=batch * max_k,
                 scores=teams * cap, gu=batch * 2 * max_k, a=batch * max_k,
                 xq=batch * (max_k + 32), xd=batch * nb, xs=batch * nb, idx=2 * max_k,
-                cnt=teams + 1, cand=teams)
+                cnt=teams + 1, cand=teams, prep=batch * (max_k // 64 + 2) * 128)
 
 
 STRUCT_SIZES = (ctypes.sizeof(Mat), ctypes.sizeof(LayerC), ctypes.sizeof(ModelC))

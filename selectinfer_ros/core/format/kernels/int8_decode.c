@@ -351,6 +351,110 @@ static void rows_q(const int8_t *w, int64_t ldw, int64_t K, const float *scale, 
 }
 
 /* ---------------------------------------------------------------------------------------
+   A few activation rows (a batch's decode step) on AVX-512 VNNI: the activations are prepared
+   once per product, not once per weight row: per pair of blocks (PREP_PAIR bytes), u = xq + 128
+   as unsigned bytes and the two blocks' scales spread over the pair's lanes. Against a pair of
+   weight blocks wv: c = -128 * (the sums of wv's lane quads), one vpdpbusd shared by every row,
+   then per row one vpdpbusd started at c (exactly sum xq * w per lane), one conversion and one
+   multiply-add. A weight row is read once (from L1 for the rows after the first). A last unpaired
+   block pairs with zero weights (a masked load: nothing past the row is read). */
+#if defined(SI_VNNI512)
+#define SI_PREP 1
+#define PREP_PAIR 128
+#define PREP_ROWS 4 /* activation rows per pass over a weight row (accumulators in registers) */
+#ifndef PREP_MAX_M
+#define PREP_MAX_M 9 /* si_linear_i8 with fewer rows takes this path (more: the blocked product) */
+#endif
+
+/* Pairs [p0, p1) of the quantized blocks of one row prepared at prep; nfull: whole blocks (the
+   last partial block, if any, is the float tail). */
+static void prep_pairs(const int8_t *xq, const float *xd, int64_t nfull, int64_t p0, int64_t p1,
+                       uint8_t *prep) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t p = p0; p < p1; p++) {
+        int64_t b = 2 * p;
+        __m512i x = b + 1 < nfull ? _mm512_loadu_si512((const void *)(xq + b * QK))
+                                  : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xq + b * QK);
+        _mm512_storeu_si512((void *)(prep + p * PREP_PAIR), _mm512_xor_si512(x, flip));
+        __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(xd[b]),
+                                        _mm512_set1_ps(b + 1 < nfull ? xd[b + 1] : 0.0f));
+        _mm512_storeu_ps((float *)(prep + p * PREP_PAIR + 64), d);
+    }
+}
+
+#define PREP_STEP(p, A)                                                                        \
+    {                                                                                          \
+        _mm_prefetch((const char *)PF_AT(w, (p) * 2 * QK, nfull, skip), _MM_HINT_T0);         \
+        __m512i wv = 2 * (p) + 1 < nfull ? _mm512_loadu_si512((const void *)(w + (p) * 2 * QK)) \
+                                         : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, w + (p) * 2 * QK); \
+        __m512i c = _mm512_sub_epi32(z, _mm512_dpbusd_epi32(z, c128, wv));                     \
+        for (int r = 0; r < NR; r++) {                                                         \
+            const uint8_t *o = pr + r * pld + (p) * PREP_PAIR;                                 \
+            __m512i s = _mm512_dpbusd_epi32(c, _mm512_loadu_si512((const void *)o), wv);       \
+            A[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps((const float *)(o + 64)), \
+                                   A[r]);                                                      \
+        }                                                                                      \
+    }
+/* two accumulators per row (even and odd pairs): two chains of multiply-adds */
+#define DOT_PREP(R)                                                                            \
+    static inline void dot_prep##R(const int8_t *w, int64_t ldw, int64_t nfull, const uint8_t *pr, \
+                                   int64_t pld, float *out) {                                  \
+        const int64_t np = (nfull + 1) / 2, skip = PF_SKIP(ldw, nfull);                        \
+        enum { NR = R };                                                                       \
+        const __m512i c128 = _mm512_set1_epi8((char)0x80), z = _mm512_setzero_si512();         \
+        __m512 a0[R], a1[R];                                                                   \
+        for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();                        \
+        int64_t p = 0;                                                                         \
+        for (; p + 2 <= np; p += 2) {                                                          \
+            PREP_STEP(p, a0)                                                                   \
+            PREP_STEP(p + 1, a1)                                                               \
+        }                                                                                      \
+        if (p < np) PREP_STEP(p, a0)                                                           \
+        for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r])); \
+    }
+DOT_PREP(1)
+DOT_PREP(2)
+DOT_PREP(3)
+DOT_PREP(4)
+
+/* Rows [n0, n1) of y_m = scale * (W . x_m) for the M rows prepared at prep (row stride pld;
+   x_m = x + m * ldx for the float tail, y_m = y + m * ldy). */
+static void rows_prep(const int8_t *w, int64_t ldw, int64_t K, const float *scale,
+                      const uint8_t *prep, int64_t pld, int64_t M, const float *x, int64_t ldx,
+                      float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    const int64_t nfull = K / QK, from = nfull * QK;
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *wn = w + n * ldw;
+        for (int64_t m0 = 0; m0 < M; m0 += PREP_ROWS) {
+            float v[PREP_ROWS];
+            const uint8_t *pr = prep + m0 * pld;
+            switch (M - m0 < PREP_ROWS ? M - m0 : PREP_ROWS) {
+            case 1: dot_prep1(wn, ldw, nfull, pr, pld, v); break;
+            case 2: dot_prep2(wn, ldw, nfull, pr, pld, v); break;
+            case 3: dot_prep3(wn, ldw, nfull, pr, pld, v); break;
+            default: dot_prep4(wn, ldw, nfull, pr, pld, v); break;
+            }
+            for (int64_t r = 0; r < PREP_ROWS && m0 + r < M; r++) {
+                float vr = v[r];
+                if (from < K) vr += tail(wn, from, K, x + (m0 + r) * ldx);
+                y[(m0 + r) * ldy + n] = scale ? vr * scale[n] : vr;
+            }
+        }
+    }
+}
+#endif /* SI_VNNI512 */
+
+/* Bytes of one row's prepared activations for K values (0 where there is no prepared path). */
+static inline int64_t prep_bytes(int64_t K) {
+#ifdef SI_PREP
+    return (K / (2 * QK) + 2) * PREP_PAIR;
+#else
+    (void)K;
+    return 0;
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------
    Many activation rows (a prompt's prefill: M >= GEMM_MIN_M): a blocked product. A tile of GN
    weight rows is repacked, KC blocks at a time, so that one vector holds the same four columns
    (a "quad") of consecutive rows: pk[b][q][GN][4] for block b, quad q of the block (8 quads of
@@ -659,6 +763,29 @@ int si_linear_i8(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t 
     memset(xq + M * nb * QK, 0, (size_t)((Mp - M) * nb * QK));
     threads = clamp_threads(threads);
     int rc = 0;
+#ifdef SI_PREP
+    if (M < PREP_MAX_M) { /* a few rows (a batch's output layer): activations prepared once */
+        const int64_t pld = prep_bytes(K), nfull = K / QK;
+        uint8_t *prep = (uint8_t *)aligned_alloc(64, (size_t)((M * pld + 63) / 64 * 64));
+        if (!prep) {
+            rc = -1;
+        } else {
+            for (int64_t m = 0; m < M; m++)
+                prep_pairs(xq + m * nb * QK, xd + m * nb, nfull, 0, (nfull + 1) / 2,
+                           prep + m * pld);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+            {
+                int64_t n0, n1;
+                share(N, team_id(), team_size(), &n0, &n1);
+                rows_prep(w, ldw, K, scale, prep, pld, M, x, K, y, N, n0, n1);
+            }
+        }
+        free(prep);
+        free(xq);
+        free(xd);
+        return rc;
+    }
+#endif
 #ifdef SI_GEMM
     if (M >= GEMM_MIN_M) {
         rc = gemm_i8(x, M, K, w, N, ldw, scale, y, xq, xd, threads);
@@ -1118,6 +1245,9 @@ typedef struct {
        b * max_k; kv, gu at b * 2 * max_k; xq at b * (max_k + QK); xd, xs at b * (max_k / QK
        + 2) (see row_scratch); scores, idx, cnt, cand are shared (rows take turns) */
     int64_t batch;
+    /* NULL, or the activations prepared for the few-rows product (AVX-512 VNNI; prep_bytes(max_k)
+       per batch row): the int8 products of a decode step read them */
+    uint8_t *prep;
 } si_model;
 
 int si_abi(int64_t *sizes, int n) {
@@ -1166,11 +1296,14 @@ static void row_scratch(const si_model *m, int64_t b, si_model *r) {
     r->xq += b * (K + QK);
     r->xd += b * nb;
     r->xs += b * nb;
+    if (r->prep) r->prep += b * prep_bytes(K);
 }
 
 #ifndef ROWS_CHUNK
 #define ROWS_CHUNK (64 * 1024) /* weight bytes a batch's rows take turns over (from the cache) */
 #endif
+
+static inline int m_prep(const si_model *R) { return R[0].prep != NULL; }
 
 /* This member's share of y_b = W . x_b (+ bias) for the B rows of a batch, x_b quantized in row
    b's scratch (R[b].xq, .xd, .xs), x_b = x + b * ldx (the float tail), y_b = y + b * ldy; no
@@ -1180,6 +1313,16 @@ static void gemv_rows(const si_mat *mt, const si_model *R, int64_t B, const floa
                       float *y, int64_t ldy, int t, int nt) {
     int64_t n0, n1;
     share(mt->n, t, nt, &n0, &n1);
+#ifdef SI_PREP
+    if (!mt->d && m_prep(R)) { /* every row prepared: each weight row once for all of them */
+        rows_prep(mt->w, mt->ldw, mt->k, mt->scale, R[0].prep, prep_bytes(R[0].max_k), B, x, ldx,
+                  y, ldy, n0, n1);
+        if (mt->bias)
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t n = n0; n < n1; n++) y[b * ldy + n] += mt->bias[n];
+        return;
+    }
+#endif
     int64_t row_bytes = mt->d ? mt->k / 2 + mt->k / QK * 2 : mt->k;
     int64_t chunk = B > 1 ? ROWS_CHUNK / (row_bytes > 0 ? row_bytes : 1) : n1 - n0;
     if (chunk < 1) chunk = 1;
@@ -1216,6 +1359,22 @@ static void quantize_part_pairs(const si_model *m, const float *x, int64_t K, in
     int64_t b0 = 2 * p0, b1 = 2 * p1 < nb ? 2 * p1 : nb;
     quantize_blocks(x, K, b0, b1, m->xq, m->xd, m->xs);
     pair_blocks(m->xq, b0, b1, nb);
+}
+
+/* quantize_part for the int8 products of a decode step: where the activations are prepared
+   (si_model.prep), the members share pairs of blocks and prepare the pairs they quantized. */
+static void quantize_part_prep(const si_model *m, const float *x, int64_t K, int t, int nt) {
+#ifdef SI_PREP
+    if (m->prep) {
+        int64_t nb = (K + QK - 1) / QK, nfull = K / QK, p0, p1;
+        share((nb + 1) / 2, t, nt, &p0, &p1);
+        quantize_blocks(x, K, 2 * p0, 2 * p1 < nb ? 2 * p1 : nb, m->xq, m->xd, m->xs);
+        int64_t np = (nfull + 1) / 2;
+        prep_pairs(m->xq, m->xd, nfull, p0, p1 < np ? p1 : np, m->prep);
+        return;
+    }
+#endif
+    quantize_part(m, x, K, t, nt);
 }
 
 static void barrier(void) {
@@ -1277,7 +1436,7 @@ static void attention_rows(const si_model *m, const si_model *R, const si_layer 
     for (int64_t b = t; b < B; b += nt) rms_norm(x + b * H, L->in_norm, H, m->eps, R[b].h);
     barrier();
     for (int64_t b = 0; b < B; b++) /* q, k, v: one format */
-        (L->q.d ? quantize_part_pairs : quantize_part)(&R[b], R[b].h, H, t, nt);
+        (L->q.d ? quantize_part_pairs : quantize_part_prep)(&R[b], R[b].h, H, t, nt);
     barrier();
     gemv_rows(&L->q, R, B, m->h, K, m->q, K, t, nt);
     gemv_rows(&L->k, R, B, m->h, K, m->kv, 2 * K, t, nt);
@@ -1302,7 +1461,7 @@ static void attention_rows(const si_model *m, const si_model *R, const si_layer 
     }
     barrier();
     for (int64_t b = 0; b < B; b++)
-        (L->o.d ? quantize_part_pairs : quantize_part)(&R[b], R[b].att, nh * hd, t, nt);
+        (L->o.d ? quantize_part_pairs : quantize_part_prep)(&R[b], R[b].att, nh * hd, t, nt);
     barrier();
     gemv_rows(&L->o, R, B, m->att, K, m->h, K, t, nt);
     barrier();
@@ -1333,20 +1492,25 @@ static void mlp_rows(const si_model *m, const si_model *R, const si_layer *L, fl
     int64_t H = m->hidden, k = L->n_active, K = m->max_k;
     for (int64_t b = t; b < B; b += nt) rms_norm(x + b * H, L->pre_mlp_norm, H, m->eps, R[b].h);
     barrier();
-    for (int64_t b = 0; b < B; b++) quantize_part(&R[b], R[b].h, H, t, nt);
+    for (int64_t b = 0; b < B; b++) quantize_part_prep(&R[b], R[b].h, H, t, nt);
     barrier();
     si_mat gum = {L->gu, L->gu_scale, 2 * k, H, H, NULL, 0, NULL};
     gemv_rows(&gum, R, B, m->h, K, m->gu, 2 * K, t, nt);
     barrier();
-    /* activations and their quantization, block by block: a member's blocks are its own */
-    int64_t b0, b1;
-    share((k + QK - 1) / QK, t, nt, &b0, &b1);
+    /* activations and their quantization, by pairs of blocks: a member's pairs are its own */
+    int64_t nbk = (k + QK - 1) / QK, np = (k / QK + 1) / 2, p0, p1;
+    share((nbk + 1) / 2, t, nt, &p0, &p1);
+    int64_t b0 = 2 * p0, b1 = 2 * p1 < nbk ? 2 * p1 : nbk;
     for (int64_t b = 0; b < B; b++) {
         const si_model *r = &R[b];
         for (int64_t n = b0 * QK; n < b1 * QK && n < k; n++)
             r->a[n] = act(r->gu[2 * n], m->act) * r->gu[2 * n + 1] * L->down_scale[n];
         quantize_blocks(r->a, k, b0, b1, r->xq, r->xd, r->xs);
+#ifdef SI_PREP
+        if (r->prep) prep_pairs(r->xq, r->xd, k / QK, p0, p1 < np ? p1 : np, r->prep);
+#endif
     }
+    (void)np;
     barrier();
     si_mat dm = {L->down, NULL, H, k, L->down_ld, NULL, 0, NULL};
     gemv_rows(&dm, R, B, m->a, K, m->h, K, t, nt);
