@@ -395,6 +395,29 @@ static void prep_pairs(const int8_t *xq, const float *xd, int64_t nfull, int64_t
                                    A[r]);                                                      \
         }                                                                                      \
     }
+/* The sum of one row's 16 lanes, in the order reduce4 takes for each of its rows (float
+   addition being commutative, the two give equal sums). */
+static inline float reduce1(__m512 s) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_permute_ps(q, 0x4E));
+    q = _mm_add_ps(q, _mm_permute_ps(q, 0xB1));
+    return _mm_cvtss_f32(q);
+}
+
+/* The sums of four rows' lanes at once (a transposing tree: 13 operations, not 4 x 6). */
+static inline void reduce4(__m512 s0, __m512 s1, __m512 s2, __m512 s3, float *out) {
+    __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, 0x44), _mm512_shuffle_f32x4(s0, s1, 0xEE));
+    __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(s2, s3, 0x44), _mm512_shuffle_f32x4(s2, s3, 0xEE));
+    __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88),
+                             _mm512_shuffle_f32x4(x01, x23, 0xDD)); /* 128-bit lane r: row r */
+    y = _mm512_add_ps(y, _mm512_permute_ps(y, 0x4E));
+    y = _mm512_add_ps(y, _mm512_permute_ps(y, 0xB1));
+    float t[16];
+    _mm512_storeu_ps(t, y);
+    out[0] = t[0], out[1] = t[4], out[2] = t[8], out[3] = t[12];
+}
+
 /* two accumulators per row (even and odd pairs): two chains of multiply-adds */
 #define DOT_PREP(R)                                                                            \
     static inline void dot_prep##R(const int8_t *w, int64_t ldw, int64_t nfull, const uint8_t *pr, \
@@ -410,7 +433,11 @@ static void prep_pairs(const int8_t *xq, const float *xd, int64_t nfull, int64_t
             PREP_STEP(p + 1, a1)                                                               \
         }                                                                                      \
         if (p < np) PREP_STEP(p, a0)                                                           \
-        for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r])); \
+        for (int r = 0; r < R; r++) a0[r] = _mm512_add_ps(a0[r], a1[r]);                       \
+        if (R == 4)                                                                            \
+            reduce4(a0[0], a0[R > 1 ? 1 : 0], a0[R > 2 ? 2 : 0], a0[R > 3 ? 3 : 0], out);      \
+        else                                                                                   \
+            for (int r = 0; r < R; r++) out[r] = reduce1(a0[r]);                               \
     }
 DOT_PREP(1)
 DOT_PREP(2)
@@ -1398,6 +1425,19 @@ static inline float act(float g, int kind) {
     return g / (1.0f + expf(-g));
 }
 
+/* sum a[i] * b[i] in 16 independent partial sums (the compiler keeps them in vector lanes; one
+   sum would be a chain of n dependent additions), added in a fixed order. */
+static inline float dotf(const float *a, const float *b, int64_t n) {
+    float acc[16] = {0.0f};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
+    float s = 0.0f;
+    for (; i < n; i++) s += a[i] * b[i];
+    for (int j = 0; j < 16; j++) s += acc[j];
+    return s;
+}
+
 /* Query head j over its kv head's cached keys [lo, pos] -> m->att[j]; the row's cache starts
    off floats into the layer's. */
 static void attend(const si_model *m, const si_layer *L, int64_t off, int64_t j, int64_t lo,
@@ -1408,8 +1448,7 @@ static void attend(const si_model *m, const si_layer *L, int64_t off, int64_t j,
     const float *vc = L->v_cache + off + ((j / G) * cap + lo) * hd;
     float mx = -INFINITY, sum = 0.0f;
     for (int64_t t = 0; t < S; t++) {
-        float d = 0.0f;
-        for (int64_t i = 0; i < hd; i++) d += qj[i] * kc[t * hd + i];
+        float d = dotf(qj, kc + t * hd, hd);
         s[t] = d * m->scaling;
         mx = s[t] > mx ? s[t] : mx;
     }
