@@ -261,5 +261,62 @@ int main(int argc, char **argv) {
     static const int64_t gemm[][4] = {{50, 1000, 9, 1013}, {100, 96, 4, 96}, {7, 45, 5, 45},
                                       {33, 2080, 6, 2080}};
     if (linear_cases(gemm, 4, 8) != 0) return 1;
+
+    /* a batch of 3 rows, each at its own position in its own cache slot, on the 4-bit model:
+       the active prefix (batchp), then per-token selection (batcht, row after row); each step's
+       rows alone first ("...a", one row per call), then the same steps together ("...b") */
+    const int64_t B = 3, slot = nkv * cap * hd;
+    si_model mb = m;
+    mb.batch = B;
+    mb.h = calloc(B * mb.max_k, sizeof(float));
+    mb.q = calloc(B * mb.max_k, sizeof(float));
+    mb.att = calloc(B * mb.max_k, sizeof(float));
+    mb.a = calloc(B * mb.max_k, sizeof(float));
+    mb.kv = calloc(B * 2 * mb.max_k, sizeof(float));
+    mb.gu = calloc(B * 2 * mb.max_k, sizeof(float));
+    mb.xq = calloc(B * (mb.max_k + QK), 1);
+    mb.xd = calloc(B * (mb.max_k / QK + 2), sizeof(float));
+    mb.xs = calloc(B * (mb.max_k / QK + 2), sizeof(int32_t));
+    for (int l = 0; l < L; l++) {
+        layers[l].k_cache = calloc(B * slot, sizeof(float));
+        layers[l].v_cache = calloc(B * slot, sizeof(float));
+        layers[l].kept = layers[l].candidates = NULL;
+    }
+    float *xb = malloc((size_t)(B * H) * sizeof(float)), *xa = malloc((size_t)(B * H) * sizeof(float));
+    for (int token = 0; token <= 1; token++) {
+        for (int l = 0; l < L; l++) layers[l].token = token;
+        float *in = frand(4 * B * H, -1.0f, 1.0f);
+        for (int pass = 0; pass < 2; pass++) {
+            for (int l = 0; l < L; l++) {
+                memset(layers[l].k_cache, 0, (size_t)(B * slot) * sizeof(float));
+                memset(layers[l].v_cache, 0, (size_t)(B * slot) * sizeof(float));
+            }
+            for (int64_t step = 0; step < 4; step++) {
+                int64_t pos[3] = {step, step + 1, step + 2}, off[3] = {0, slot, 2 * slot};
+                memcpy(xb, in + step * B * H, (size_t)(B * H) * sizeof(float));
+                if (pass == 0) {
+                    for (int64_t b = 0; b < B; b++) {
+                        if (step == 0) /* rows 1, 2 start later: fill their first positions */
+                            for (int64_t p = 0; p < pos[b]; p++) {
+                                memcpy(xa, in + b * H, (size_t)H * sizeof(float));
+                                if (si_decode_batch(&mb, layers, L, xa, 1, &p, &off[b], 2, NULL)) return 1;
+                            }
+                        if (si_decode_batch(&mb, layers, L, xb + b * H, 1, &pos[b], &off[b], 2, NULL))
+                            return 1;
+                    }
+                    print(token ? "batchta" : "batchpa", step, 0, xb, B * H);
+                } else {
+                    if (step == 0)
+                        for (int64_t b = 1; b < B; b++)
+                            for (int64_t p = 0; p < pos[b]; p++) {
+                                memcpy(xa, in + b * H, (size_t)H * sizeof(float));
+                                if (si_decode_batch(&mb, layers, L, xa, 1, &p, &off[b], 2, NULL)) return 1;
+                            }
+                    if (si_decode_batch(&mb, layers, L, xb, B, pos, off, 2, NULL)) return 1;
+                    print(token ? "batchtb" : "batchpb", step, 0, xb, B * H);
+                }
+            }
+        }
+    }
     return 0;
 }

@@ -213,7 +213,19 @@ def test_decode_steps_of_every_path_equal_the_plain_c_path(isa, int8_tiny, plain
 # selection (si_layer.token, its kept and candidate counts), on 2 threads
 HARNESS = Path(__file__).with_name("kernel_harness.c")
 _HARNESS_KINDS = ("linear", "q4", "axpy", "decode", "decode4", "decodet", "keptt", "candt",
-                  "decode4t", "kept4t", "cand4t")
+                  "decode4t", "kept4t", "cand4t", "batchpa", "batchpb", "batchta", "batchtb")
+
+
+def check_harness_batches(got: dict, plain: dict) -> None:
+    """The harness's batch of 3 rows (4-bit model; active prefix "p", per-token "t"): each step's
+    rows together equal the same rows stepped alone exactly, and the plain C path's within int8
+    noise (see the decode steps)."""
+    for kind in ("batchp", "batcht"):
+        alone, together = got[kind + "a"], got[kind + "b"]
+        assert len(alone) == len(together) == len(plain[kind + "b"]) == 4
+        assert all(torch.equal(a, b) for a, b in zip(alone, together)), kind
+        rel = torch.stack([(a - b).abs().max() / b.std() for a, b in zip(together, plain[kind + "b"])])
+        assert float(rel.median()) < 1e-3 and float(rel.max()) < 0.05, (kind, rel)
 
 
 def _harness(isa: str, tmp: Path) -> dict:
@@ -255,6 +267,8 @@ def test_harness_of_every_path_equals_the_plain_c_path(isa, plain_harness, tmp_p
         assert len(got[kind]) == len(plain[kind]) == 6
         rel = torch.stack([(a - b).abs().max() / b.std() for a, b in zip(got[kind], plain[kind])])
         assert float(rel.median()) < 1e-3 and float(rel.max()) < 0.05, (isa, kind, rel)
+    check_harness_batches(got, plain)
+    check_harness_batches(plain, plain)
     for kind in ("keptt", "kept4t"):  # neurons kept per layer and step: about half of 80
         counts, want = torch.stack(got[kind]), torch.stack(plain[kind])
         assert counts.shape == (6, 2) and 20 <= float(want.min()) and float(want.max()) <= 60

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from selectinfer_ros.core.format.kernel import ISAS, SOURCE
+from test_kernel import _HARNESS_KINDS, check_harness_batches
 
 HARNESS = Path(__file__).with_name("kernel_harness.c")
 NATIVE = platform.machine() in ("aarch64", "arm64")
@@ -37,8 +38,7 @@ def _run(isa: str, tmp: Path) -> dict[str, list[torch.Tensor] | str]:
     res = subprocess.run([*runner, str(exe), "candidates"], capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    out: dict = {k: [] for k in ("linear", "q4", "axpy", "decode", "decode4", "decodet",
-                                 "keptt", "decode4t", "kept4t", "candt", "cand4t")}
+    out: dict = {k: [] for k in _HARNESS_KINDS}
     for line in res.stdout.splitlines():
         kind, *rest = line.split()
         if kind == "isa":
@@ -70,6 +70,7 @@ def test_neon_kernel_equals_the_plain_c_path(isa, plain, tmp_path):
         assert len(got[kind]) == len(plain[kind]) == 6
         rel = torch.stack([(a - b).abs().max() / b.std() for a, b in zip(got[kind], plain[kind])])
         assert float(rel.median()) < 1e-3 and float(rel.max()) < 0.05, (kind, rel)
+    check_harness_batches(got, plain)  # a batch's rows equal the same rows alone
     for kind in ("keptt", "kept4t"):  # neurons kept per layer and step: about half of 80
         counts, want = torch.stack(got[kind]), torch.stack(plain[kind])
         assert counts.shape == (6, 2) and 20 <= float(want.min()) and float(want.max()) <= 60
