@@ -341,3 +341,44 @@ def test_goals_decode_together_each_with_its_own_text_and_cancel(batch_server):
         assert jobs[i].outcome.status == "succeeded"
         assert jobs[i].outcome.result.text == engine.generate(prompts[i], cfg).text, i
     assert srv.running is None and srv.waiting == 0 and srv.aggregate_tokens_per_second > 0
+
+
+def test_draining_ends_every_goal_of_a_batch_within_a_step(batch_server):
+    """Deactivate / Ctrl-C while three goals decode together: each ends ABORTED with the reason
+    and the text it streamed; the worker is idle after. (The worker is held in a streaming
+    callback once all three have streamed, until the drain has flagged them.)"""
+    srv = batch_server
+    all_streamed, gate = threading.Event(), threading.Event()
+    clients = []
+    for i in range(3):
+        c = SimpleNamespace(done=threading.Event(), texts=[])
+
+        def text(d, n, c=c) -> None:
+            c.texts.append(d)
+            if all(x.texts for x in clients) and len(clients) == 3:
+                all_streamed.set()
+                gate.wait(30.0)
+
+        job = GoalJob(f"w{50 + i} w7", GenerationConfig(max_new_tokens=40, ignore_eos=True), "",
+                      1.0, lambda: False, lambda: None, text,
+                      lambda outcome, c=c: c.done.set())
+        c.job = job
+        clients.append(c)
+    for c in clients:
+        srv.admit()
+        srv.submit(c.job)
+    assert all_streamed.wait(30.0)
+    drained = []
+    drainer = threading.Thread(target=lambda: drained.append(srv.drain("node shutting down", 30.0)))
+    drainer.start()
+    assert _wait_until(lambda: all(c.job.abort_reason for c in clients), 10.0)
+    gate.set()
+    drainer.join(30.0)
+    assert drained == [True]
+    for c in clients:
+        assert c.done.wait(10.0)
+        out = c.job.outcome
+        assert out.status == "aborted" and "node shutting down" in out.message, out.message
+        assert out.result.text == "".join(c.texts)
+        assert out.result.metrics.generated_tokens < 40
+    assert srv.running is None and srv.waiting == 0
