@@ -16,6 +16,8 @@ from .engine import Canceled, Engine, GenerationConfig, Stream
 from .metrics import RequestMetrics
 from ..options import MAX_BATCH
 
+PREFILL_CHUNK = 128  # prompt tokens prefilled per step while other requests decode
+
 
 class Batch:
     """Requests that decode together (continuous batching): each joins with its own prefill
@@ -27,25 +29,29 @@ class Batch:
     neurons may share a batch (:meth:`Engine.batch_refusal`). Not thread-safe: one thread owns a
     batch (the engine's lock is held per call)."""
 
-    def __init__(self, engine: Engine, max_batch: int):
+    def __init__(self, engine: Engine, max_batch: int, prefill_chunk: int = PREFILL_CHUNK):
         if engine.decoder is None:
             raise ValueError(f"batched decoding needs the lean decoder ({engine.decode_path})")
         if not 1 <= max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch {max_batch} outside [1, {MAX_BATCH}]")
-        self.engine, self.max_batch = engine, max_batch
+        self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, max(1, prefill_chunk)
         self.running: list[Stream] = []
+        self.pending: list[Stream] = []  # prompts being prefilled chunk by chunk, in order
         self.steps = 0  # batched decode steps taken
         self.rows = 0  # tokens they produced (sum of the batch sizes)
 
     @property
     def room(self) -> int:
-        return self.max_batch - len(self.running)
+        return self.max_batch - len(self.running) - len(self.pending)
 
     def join(self, prompt: str | list[int], config: GenerationConfig | None = None,
              on_text: Callable[[str, int], None] | None = None,
              cancel: Callable[[], bool] | None = None) -> Stream:
         """Prefill a request into a free slot; the stream joins the running ones unless its
-        first token already ends it (``finish`` set: take its :meth:`Stream.result`). ValueError
+        first token already ends it (``finish`` set: take its :meth:`Stream.result`). A prompt
+        longer than ``prefill_chunk`` tokens while others decode is prefilled by :meth:`step`,
+        one chunk per step, so they keep streaming (the stream is in ``pending`` until its first
+        token; a step then returns it if that token ends it). ValueError
         (checked before the model runs) for a request that may not batch, a full batch or a bad
         prompt; a canceled prefill ends with ``finish`` "canceled"."""
         e, t0 = self.engine, time.perf_counter()
@@ -65,33 +71,57 @@ class Batch:
                         else int(time.time_ns() % (2**63)))
         metrics = RequestMetrics(prompt_tokens=len(ids))
         stream = Stream(e, ids, config, max_new, metrics, gen, on_text, cancel, t0)
-        used = {r.slot for r in self.running}
+        used = {r.slot for r in self.running + self.pending}
         stream.slot = next(s for s in range(self.max_batch) if s not in used)
-        d = e.decoder
+        with e._lock:
+            e.decoder.reserve(len(ids) + max_new, self.max_batch)
+        if self.running and len(ids) > self.prefill_chunk:
+            self.pending.append(stream)
+        else:
+            self._prefill(stream, len(ids))
+        return stream
+
+    def _prefill(self, stream: Stream, n: int) -> None:
+        """The next ``n`` prompt tokens of ``stream`` into its slot; after the last, its first
+        token (it joins the running ones unless that ends it)."""
+        e, ids, lo = self.engine, stream.ids, stream.filled
+        hi = min(len(ids), lo + n)
+        last = hi == len(ids)
+        cancel = stream.cancel
         with e._lock, torch.inference_mode():
-            d.reserve(len(ids) + max_new, self.max_batch)
-            e._start(torch.tensor([ids]))
+            e._start(torch.tensor([ids[lo:hi]]))
             try:
                 if cancel is not None and cancel():
                     raise Canceled
                 with e.cancel_between_layers(cancel):
-                    logits = d.prefill(ids, extra=max_new, slot=stream.slot)
-                done = stream.advance(logits)
-                e._end_prefill(metrics)
+                    logits = e.decoder.prefill(ids[lo:hi], extra=0, slot=stream.slot, start=lo,
+                                               logits=last)
+                stream.filled = hi
+                done = last and stream.advance(logits)
+                if last:
+                    e._end_prefill(stream.metrics)
             except Canceled:
                 stream.finish, done = "canceled", True
             finally:
                 if e.state is not None:
                     e.state.prefill = True
-        if not done:
+        if stream in self.pending and (done or last):
+            self.pending.remove(stream)
+        if last and not done:
             self.running.append(stream)
-        return stream
 
     def step(self) -> list[Stream]:
-        """One token for every running request; the requests it ended (removed from the batch;
-        take each one's :meth:`Stream.result`). An exception leaves the batch as it was."""
+        """The next chunk of the first pending prompt, then one token for every running request;
+        the requests it ended (removed from the batch; take each one's :meth:`Stream.result`).
+        An exception leaves the batch as it was."""
+        ended = []
+        if self.pending:
+            first = self.pending[0]
+            self._prefill(first, self.prefill_chunk)
+            if first.finish is not None:
+                ended.append(first)
         if not self.running:
-            return []
+            return ended
         e, d = self.engine, self.engine.decoder
         rows = self.running
         with e._lock, torch.inference_mode():
@@ -105,12 +135,13 @@ class Batch:
             self.steps += 1
             self.rows += len(rows)
             done = [r for b, r in enumerate(rows) if r.advance(logits[b])]
-        self.running = [r for r in rows if r.finish is None]
-        return done
+        self.running = [r for r in self.running if r.finish is None]
+        return ended + done
 
     def cancel_all(self, finish: str = "canceled") -> list[Stream]:
-        """End every running request (``finish``); they are returned, the batch is empty."""
-        ended, self.running = self.running, []
+        """End every running or pending request (``finish``); they are returned, the batch is
+        empty."""
+        ended, self.running, self.pending = self.running + self.pending, [], []
         for r in ended:
             r.finish = finish
         return ended

@@ -318,17 +318,20 @@ class Decoder:
         return time.perf_counter()
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int] | torch.Tensor, extra: int = 1, slot: int = 0
-                ) -> torch.Tensor:
+    def prefill(self, ids: list[int] | torch.Tensor, extra: int = 1, slot: int = 0,
+                start: int = 0, logits: bool = True) -> torch.Tensor | None:
         """Start a request in ``slot`` with the prompt ``ids`` (room for ``extra`` more tokens);
-        the logits ``[V]`` after its last token."""
+        the logits ``[V]`` after its last token. ``start`` > 0: the next chunk of a prompt whose
+        first ``start`` tokens are in the slot already; ``logits`` False: not computed (None)."""
         ids = torch.as_tensor(ids, device=self.device).view(1, -1)  # [1, T]
-        self.reserve(ids.shape[1] + extra, slot + 1)
-        self.lengths[slot] = 0
-        x = self._layers(self.embed(ids), [0], [slot])
-        self.lengths[slot] = ids.shape[1]
+        self.reserve(start + ids.shape[1] + extra, slot + 1)
+        self.lengths[slot] = start
+        x = self._layers(self.embed(ids), [start], [slot])
+        self.lengths[slot] = start + ids.shape[1]
         if self.native is not None:
             self.native.stale = True  # selection may have moved neurons and changed the prefix
+        if not logits:
+            return None
         timed, self.timings = self.timings, None  # prefill is not a decode step
         try:
             return self._logits(x)[0]

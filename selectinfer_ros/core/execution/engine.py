@@ -669,6 +669,7 @@ class Stream:
         self.tok = -1
         self.finish: str | None = None
         self.slot = -1  # a batch's KV slot
+        self.ids, self.filled = ids, 0  # the prompt, and how much of it a batch has prefilled
 
     def _next_token(self, logits: torch.Tensor) -> int:
         c = self.constraint

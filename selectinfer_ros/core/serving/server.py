@@ -699,7 +699,7 @@ class Server:
                 while pending is not None:
                     self._join(batch, pending, jobs)
                     pending = self._next_for_batch(batch)
-                if not batch.running:
+                if not batch.running and not batch.pending:
                     return
                 try:
                     t0 = time.perf_counter()

@@ -121,3 +121,28 @@ def test_grammar_and_stop_strings_hold_per_request(int8_engine):
     assert [(r.text, r.finish_reason) for r in together] == \
         [(r.text, r.finish_reason) for r in alone]
     assert together[0].finish_reason == "grammar" and together[1].finish_reason == "stop"
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_stream(int8_engine):
+    """A prompt of ~300 tokens joining a running request is prefilled 64 tokens per step: the
+    running request gets a token at every one of those steps, and the long prompt's greedy text
+    equals its run alone."""
+    long = " ".join(_prompts(20))[:1400] + "\nIn short:"
+    cfg = GenerationConfig(max_new_tokens=12)
+    alone = int8_engine.generate(long, cfg)
+    batch = Batch(int8_engine, 2, prefill_chunk=64)
+    first = batch.join(_prompts(1)[0], GenerationConfig(max_new_tokens=40, ignore_eos=True))
+    second = batch.join(long, cfg)
+    n_prompt = len(second.ids)
+    assert n_prompt > 256 and second in batch.pending and second.filled == 0
+    chunks = 0
+    while second in batch.pending:
+        before = len(first.detok.ids)
+        batch.step()
+        chunks += 1
+        assert len(first.detok.ids) == before + 1  # the running request streamed meanwhile
+    assert chunks == -(-n_prompt // 64)
+    while batch.running:
+        batch.step()
+    assert second.result().text == alone.text
+    assert first.result().finish_reason == "length"
