@@ -576,19 +576,46 @@ class Server:
         job.outcome = outcome
         job.on_done(outcome)
 
-    def _run_goal(self, job: GoalJob) -> None:
-        rt = self.runtime
+    def _begin(self, job: GoalJob) -> Outcome | None:
+        """Mark ``job`` started; the outcome it ends with before it runs (canceled or aborted
+        while it waited, refused, no model), or None."""
         job.started_at = time.monotonic()
         job.on_start()
         if job.cancel_requested():
-            return self._finish(job, Outcome("canceled", CANCELED, "canceled before it started"))
+            return Outcome("canceled", CANCELED, "canceled before it started")
         if job.abort_reason is not None:
-            return self._finish(job, Outcome("aborted", job.abort_code, job.abort_reason))
+            return Outcome("aborted", job.abort_code, job.abort_reason)
         if job.refused is not None:
-            return self._finish(job, Outcome("aborted", job.refused.code, job.refused.reason))
-        if rt is None:
-            return self._finish(job, Outcome("aborted", NO_MODEL, f"no model loaded ({self.state})"))
-        stop = lambda: job.cancel_requested() or job.abort_reason is not None  # noqa: E731
+            return Outcome("aborted", job.refused.code, job.refused.reason)
+        if self.runtime is None:
+            return Outcome("aborted", NO_MODEL, f"no model loaded ({self.state})")
+        return None
+
+    @staticmethod
+    def _failure(job: GoalJob, e: Exception) -> Outcome:
+        """The outcome of a goal whose run raised ``e``."""
+        if isinstance(e, Canceled):
+            if job.cancel_requested():
+                return Outcome("canceled", CANCELED, "canceled by client")
+            return Outcome("aborted", job.abort_code, str(job.abort_reason))
+        if isinstance(e, Rejected):
+            return Outcome("aborted", e.code, e.reason)
+        if isinstance(e, ContextLengthError):
+            return Outcome("aborted", PROMPT_TOO_LONG, str(e))
+        if isinstance(e, ValueError):
+            return Outcome("aborted", INVALID_GOAL, str(e))
+        return Outcome("aborted", GENERATION_FAILED, f"generation failed: {type(e).__name__}: {e}")
+
+    @staticmethod
+    def _stop(job: GoalJob) -> Callable[[], bool]:
+        return lambda: job.cancel_requested() or job.abort_reason is not None
+
+    def _run_goal(self, job: GoalJob) -> None:
+        rt = self.runtime
+        early = self._begin(job)
+        if early is not None:
+            return self._finish(job, early)
+        stop = self._stop(job)
         try:
             if job.task and job.task != rt.task:
                 self._switch(rt, job.task, cancel=stop)
@@ -601,19 +628,8 @@ class Server:
                                                  load_ratio=float(rt.load_ratio),
                                                  compute_ratio=job.compute_ratio))
             res = rt.generate(job.prompt, job.config, on_text=job.on_text, cancel=stop)
-        except Canceled:
-            if job.cancel_requested():
-                return self._finish(job, Outcome("canceled", CANCELED, "canceled by client"))
-            return self._finish(job, Outcome("aborted", job.abort_code, str(job.abort_reason)))
-        except Rejected as e:
-            return self._finish(job, Outcome("aborted", e.code, e.reason))
-        except ContextLengthError as e:
-            return self._finish(job, Outcome("aborted", PROMPT_TOO_LONG, str(e)))
-        except ValueError as e:
-            return self._finish(job, Outcome("aborted", INVALID_GOAL, str(e)))
         except Exception as e:  # noqa: BLE001 - abort this goal, keep serving
-            return self._finish(job, Outcome("aborted", GENERATION_FAILED,
-                                             f"generation failed: {type(e).__name__}: {e}"))
+            return self._finish(job, self._failure(job, e))
         self._finish(job, self._outcome(job, res, rt))
 
     @staticmethod
@@ -661,23 +677,13 @@ class Server:
 
     def _join(self, batch: Batch, job: GoalJob, jobs: dict) -> None:
         """Start ``job``: its prefill, then it decodes with the batch (or it ends here)."""
-        rt = self.runtime
-        job.started_at = time.monotonic()
-        job.on_start()
-        if job.cancel_requested():
-            return self._end_batched(job, Outcome("canceled", CANCELED, "canceled before it started"))
-        if job.abort_reason is not None:
-            return self._end_batched(job, Outcome("aborted", job.abort_code, job.abort_reason))
-        stop = lambda: job.cancel_requested() or job.abort_reason is not None  # noqa: E731
+        early = self._begin(job)
+        if early is not None:
+            return self._end_batched(job, early)
         try:
-            stream = batch.join(job.prompt, job.config, on_text=job.on_text, cancel=stop)
-        except ContextLengthError as e:
-            return self._end_batched(job, Outcome("aborted", PROMPT_TOO_LONG, str(e)))
-        except ValueError as e:
-            return self._end_batched(job, Outcome("aborted", INVALID_GOAL, str(e)))
+            stream = batch.join(job.prompt, job.config, on_text=job.on_text, cancel=self._stop(job))
         except Exception as e:  # noqa: BLE001 - abort this goal, keep serving
-            return self._end_batched(job, Outcome("aborted", GENERATION_FAILED,
-                                                  f"generation failed: {type(e).__name__}: {e}"))
+            return self._end_batched(job, self._failure(job, e))
         if stream.finish is not None:
             return self._complete(job, stream)
         jobs[id(stream)] = job

@@ -283,24 +283,6 @@ def test_goal_config_refuses_with_reasons(server):
         assert e.value.code == code and needle in e.value.reason
 
 
-@pytest.fixture
-def batch_server(tiny_models, tiny_profiles):
-    """The tiny Llama computing every loaded neuron (goals may batch), max_batch 3."""
-    from selectinfer_ros.core.options import ModelOptions
-    from selectinfer_ros.core.serving.runtime import Runtime
-    _, packed = tiny_models["tiny-llama"]
-    opts = ModelOptions(model=str(packed), profiles=str(tiny_profiles["tiny-llama"]), task="alpha",
-                        load_ratio=1.0, context_limit=64)
-    srv = Server(queue_length=4, max_batch=3)
-    srv.start()
-    try:
-        srv.load(lambda: Runtime(opts))
-        srv.accepting = True
-        yield srv
-    finally:
-        srv.stop(timeout=10.0)
-
-
 def test_goals_decode_together_each_with_its_own_text_and_cancel(batch_server):
     """Four goals submitted while the worker is held: the first three run together (each starts
     before any ends), the fourth joins when a slot frees; a goal canceled in the batch ends
