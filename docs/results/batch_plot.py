@@ -10,8 +10,10 @@ import json
 from pathlib import Path
 
 HERE = Path(__file__).parent
-CASES = [("Gemma 3 270M", "batch-gemma3-270m-zen4-t{t}.json"),
-         ("Llama-3.2-1B shape", "batch-llama-3.2-1b-zen4-t{t}.json")]
+CASES = [("Gemma 3 270M", "batch-gemma3-270m-zen4-t{t}.json", (1, 2)),
+         ("Llama-3.2-1B shape", "batch-llama-3.2-1b-zen4-t{t}.json", (1, 2)),
+         ("Qwen2.5 1.5B", "batch-qwen2.5-1.5b-zen4-t{t}.json", (2,)),
+         ("Gemma, avx2 path", "batch-gemma3-270m-zen4-avx2-t{t}.json", (2,))]
 
 
 def rows(name: str) -> dict[str, float]:
@@ -22,10 +24,10 @@ def main() -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     labels, x = [], 0
-    for model, pattern in CASES:
-        for t in (1, 2):
+    for model, pattern, threads in CASES:
+        for t in threads:
             r = rows(pattern.format(t=t))
             for j, b in enumerate(("B=1", "B=2", "B=4")):
                 ax.bar(x + (j - 1) * 0.27, r[b], 0.27, color=("tab:gray", "tab:cyan", "tab:blue")[j],
