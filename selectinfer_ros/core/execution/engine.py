@@ -320,16 +320,22 @@ class Engine:
         with self._lock:
             return self._generate(prompt, config, on_text, cancel)
 
-    def _generate(self, prompt, config, on_text, cancel) -> GenerationResult:
-        t0 = time.perf_counter()
+    def request(self, prompt: str | list[int], config: GenerationConfig
+                ) -> tuple[list[int], int, RequestMetrics, torch.Generator]:
+        """A request's prompt ids (checked against the context), how many tokens it may add, its
+        metrics and its seeded generator."""
         ids = prompt if isinstance(prompt, list) else self.encode(prompt, config.use_chat_template,
                                                                     config.special_tokens)
         self.check_prompt(len(ids))
         max_new = min(config.max_new_tokens, self.context_limit - len(ids))
-        metrics = RequestMetrics(prompt_tokens=len(ids))
         gen = torch.Generator(device="cpu")
         gen.manual_seed(config.seed if config.seed is not None and config.seed >= 0
                         else int(time.time_ns() % (2**63)))
+        return ids, max_new, RequestMetrics(prompt_tokens=len(ids)), gen
+
+    def _generate(self, prompt, config, on_text, cancel) -> GenerationResult:
+        t0 = time.perf_counter()
+        ids, max_new, metrics, gen = self.request(prompt, config)
         with self.phi(config.compute_ratio):
             return self._run(ids, config, max_new, metrics, gen, on_text, cancel, t0)
 
