@@ -59,6 +59,33 @@ def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None) -> torc
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
+def tiles_of(q: torch.Tensor) -> torch.Tensor | None:
+    """``q [N, K]`` int8 rows in the kernel's tile layout (16 rows interleaved four columns at a
+    time, ``uint8 [si_tile_bytes(N, K)]``; see ``si_tile_pack``), or None where the tiles do not
+    pay (no kernel, a CPU path that keeps the rows, rows not on the CPU)."""
+    lib = kernel() if q.device.type == "cpu" else None
+    if lib is None or not lib.si_tile_pays() or q.stride(1) != 1:
+        return None
+    N, K = q.shape
+    tiles = torch.empty(lib.si_tile_bytes(N, K), dtype=torch.uint8)
+    lib.si_tile_pack(q.data_ptr(), N, K, q.stride(0), tiles.data_ptr(), torch.get_num_threads())
+    return tiles
+
+
+def tile_linear(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, N: int) -> torch.Tensor:
+    """``x [..., K] @ (rows * scale).T`` -> ``[..., N]`` over rows held as :func:`tiles_of`."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    y = torch.empty(x2.shape[0], N, dtype=torch.float32)
+    if kernel().si_tile_linear(x2.data_ptr(), x2.shape[0], K, tiles.data_ptr(), N,
+                               scale.data_ptr(), y.data_ptr(), torch.get_num_threads()) != 0:
+        raise MemoryError("int8 kernel: out of memory for the quantized activations")
+    y = y.view(*x.shape[:-1], N)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
 class Int8Linear(nn.Module):
     """A linear layer over int8 rows and their scales (``weight`` ``[N, K]`` int8, ``scale``
     ``[N]`` float32), with an optional float ``bias`` ``[N]`` (Qwen2's q/k/v projections; None:
@@ -74,8 +101,20 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32, device=device)
                              if bias else None)
 
+    tiled = False  # weight holds the rows as tiles (to_tiles), not [N, K]
+
+    def to_tiles(self) -> bool:
+        """Hold the rows in the kernel's tile layout from now on (in place: the rows' tensor is
+        dropped), where that pays on this CPU; True if it did."""
+        tiles = None if self.tiled else tiles_of(self.weight)
+        if tiles is None:
+            return False
+        self.weight, self.tiled = tiles, True
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.scale)  # [..., N], a fresh tensor
+        y = (tile_linear(x, self.weight, self.scale, self.out_features) if self.tiled
+             else linear(x, self.weight, self.scale))  # [..., N], a fresh tensor
         return y.add_(self.bias) if self.bias is not None else y
 
 
@@ -99,6 +138,33 @@ class Int8Embedding(nn.Module):
         head.out_features, head.weight, head.scale = self.num_embeddings, self.weight, self.scale
         return head
 
+    tiled = False  # weight holds the rows as tiles (a tied output layer's, see tie_tiles)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [B, T] -> [B, T, H]
-        rows = self.weight[ids].to(self.dtype) * self.scale[ids].unsqueeze(-1).to(self.dtype)
+        if self.tiled:
+            flat = ids.reshape(-1).to(torch.int64).contiguous()
+            q = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.int8)
+            if kernel().si_tile_rows(self.weight.data_ptr(), self.num_embeddings, self.embedding_dim,
+                                     flat.data_ptr(), flat.numel(), q.data_ptr()) != 0:
+                raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+            q = q.view(*ids.shape, self.embedding_dim)
+        else:
+            q = self.weight[ids]
+        rows = q.to(self.dtype) * self.scale[ids].unsqueeze(-1).to(self.dtype)
         return rows * self.embed_scale if self.embed_scale is not None else rows
+
+
+def tile_output_layer(model: nn.Module) -> bool:
+    """Hold an int8 output layer in the kernel's tile layout (and a token embedding tied to it,
+    which then reads its rows back from the tiles: one copy); True if it did. The output layer is
+    the largest product of a decode step (Gemma 3 270M: 168 of 260 MB) and every one of its rows
+    is read for every token, which the tiles read as one stream."""
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if not isinstance(head, Int8Linear):
+        return False
+    rows = head.weight
+    if not head.to_tiles():
+        return False
+    if isinstance(emb, Int8Embedding) and emb.weight is rows:
+        emb.weight, emb.tiled = head.weight, True
+    return True

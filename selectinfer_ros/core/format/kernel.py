@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_decode.c"
-ABI_VERSION = 10
+ABI_VERSION = 11
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
 # (name, cpuinfo flags it needs, compiler flags), best first, per machine
@@ -252,6 +252,21 @@ def _open(out: Path, name: str) -> Kernel:
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.si_tile_pays.restype = ctypes.c_int
+    lib.si_tile_bytes.restype = ctypes.c_int64
+    lib.si_tile_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    f = lib.si_tile_pack
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                  ctypes.c_void_p, ctypes.c_int]
+    f = lib.si_tile_rows
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                  ctypes.c_int64, ctypes.c_void_p]
+    f = lib.si_tile_linear
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     f = lib.si_linear_q4
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,

@@ -102,6 +102,24 @@ static int linear_cases(const int64_t (*shapes)[4], int n, int first) {
                 return 1;
             print("linear", first + i, threads, y, M * N);
         }
+        /* the same rows held as tiles (an output layer's layout); "tilerows": 1 if every row
+           reads back unchanged */
+        uint8_t *pk = malloc((size_t)si_tile_bytes(N, K));
+        si_tile_pack(w, N, K, ld, pk, 2);
+        for (int threads = 1; threads <= 2; threads++) {
+            if (si_tile_linear(x, M, K, pk, N, (first + i) % 2 ? NULL : scale, y, threads) != 0)
+                return 1;
+            print("tiles", first + i, threads, y, M * N);
+        }
+        int8_t *back = malloc((size_t)K);
+        float same = 1.0f;
+        for (int64_t n = 0; n < N; n++) {
+            if (si_tile_rows(pk, N, K, &n, 1, back) != 0 || memcmp(back, w + n * ld, (size_t)K))
+                same = 0.0f;
+        }
+        print("tilerows", first + i, 0, &same, 1);
+        free(back);
+        free(pk);
     }
     return 0;
 }

@@ -62,6 +62,45 @@ def test_int8_linear_with_a_bias_adds_it_to_the_product(dtype):
     assert float((y.view(3, 40).float() - ref).abs().max()) > 10 * tol  # the bias is there
 
 
+class _Tied(torch.nn.Module):
+    """An embedding and the output layer tied to it (what the loader builds for Gemma)."""
+
+    def __init__(self, emb: int8.Int8Embedding):
+        super().__init__()
+        self.emb, self.head = emb, emb.as_linear()
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def test_output_layer_in_tiles_equals_its_rows_and_a_tied_embedding_reads_them_back():
+    """The output layer held as the kernel's tiles (one copy, shared with the tied embedding):
+    the same logits to float rounding (K a whole number of blocks: the same block sums) for one
+    row and many, the same embedding rows exactly; a second call changes nothing."""
+    g = torch.Generator().manual_seed(5)
+    emb = int8.Int8Embedding(1000, 96, embed_scale=2.0)
+    emb.weight, emb.scale = int8.quantize_rows(torch.randn(1000, 96, generator=g))
+    model = _Tied(emb)
+    ids = torch.tensor([[0, 999, 17], [5, 5, 400]])
+    xs = [torch.randn(1, 1, 96, generator=g), torch.randn(4, 96, generator=g),
+          torch.randn(2, 7, 96, generator=g)]
+    rows, logits = emb(ids), [model.head(x) for x in xs]
+    assert int8.tile_output_layer(model) == bool(int8.kernel().si_tile_pays())
+    assert model.head.tiled and emb.tiled and emb.weight is model.head.weight
+    assert emb.weight.dtype == torch.uint8 and emb.weight.numel() == 1008 * 96  # 63 whole tiles
+    assert torch.equal(emb(ids), rows)
+    for x, want in zip(xs, logits):
+        got = model.head(x)
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert not model.head.to_tiles() and emb.weight is model.head.weight
+    with pytest.raises(IndexError, match="out of range"):
+        emb(torch.tensor([[1000]]))
+
+
 def test_quantize_rows_round_trips_within_half_a_step():
     w = torch.randn(50, 70)
     q, scale = int8.quantize_rows(w)

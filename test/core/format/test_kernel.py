@@ -37,6 +37,22 @@ def _linear(k: kernel.Kernel, x: torch.Tensor, q: torch.Tensor, scale: torch.Ten
     return y
 
 
+def _tile_linear(k: kernel.Kernel, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                 threads: int) -> torch.Tensor:
+    """The rows packed as tiles by this library, their product, and every row read back."""
+    N, K = q.shape
+    tiles = torch.empty(k.lib.si_tile_bytes(N, K), dtype=torch.uint8)
+    assert k.lib.si_tile_pack(q.data_ptr(), N, K, q.stride(0), tiles.data_ptr(), threads) == 0
+    ids = torch.arange(N)
+    back = torch.empty(N, K, dtype=torch.int8)
+    assert k.lib.si_tile_rows(tiles.data_ptr(), N, K, ids.data_ptr(), N, back.data_ptr()) == 0
+    assert torch.equal(back, q)
+    y = torch.empty(x.shape[0], N)
+    assert k.lib.si_tile_linear(x.data_ptr(), x.shape[0], K, tiles.data_ptr(), N,
+                                scale.data_ptr(), y.data_ptr(), threads) == 0
+    return y
+
+
 def _cases():
     g = torch.Generator().manual_seed(7)
     for n, kk, m in SHAPES:
@@ -90,6 +106,10 @@ def test_every_path_of_this_cpu_equals_the_plain_c_path(isa, tmp_path):
             got = _linear(k, x, q, scale, threads)
             # the same integer block products; only the float sums' order differs
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())), \
+                (isa, q.shape, threads)
+            tiles = _tile_linear(k, x, q, scale, threads)  # the partial block quantized
+            close = 1e-5 if q.shape[1] % 32 == 0 else 1e-2
+            assert torch.allclose(tiles, want, rtol=close, atol=close * float(want.abs().max())), \
                 (isa, q.shape, threads)
 
 
@@ -212,7 +232,7 @@ def test_decode_steps_of_every_path_equal_the_plain_c_path(isa, int8_tiny, plain
 # and whole decode steps of small int8 and 4-bit models, with an active prefix and with per-token
 # selection (si_layer.token, its kept and candidate counts), on 2 threads
 HARNESS = Path(__file__).with_name("kernel_harness.c")
-_HARNESS_KINDS = ("linear", "q4", "axpy", "decode", "decode4", "decodet", "keptt", "candt",
+_HARNESS_KINDS = ("linear", "tiles", "tilerows", "q4", "axpy", "decode", "decode4", "decodet", "keptt", "candt",
                   "decode4t", "kept4t", "cand4t", "batchpa", "batchpb", "batchta", "batchtb")
 
 
@@ -226,6 +246,20 @@ def check_harness_batches(got: dict, plain: dict) -> None:
         assert all(torch.equal(a, b) for a, b in zip(alone, together)), kind
         rel = torch.stack([(a - b).abs().max() / b.std() for a, b in zip(together, plain[kind + "b"])])
         assert float(rel.median()) < 1e-3 and float(rel.max()) < 0.05, (kind, rel)
+
+
+def check_harness_products(got: dict, plain: dict, isa: str) -> None:
+    """Single products: the same block sums as the plain C path's (axpy: in the same order);
+    rows held as tiles equal the rows (K a whole number of blocks: the same blocks; otherwise the
+    tiles quantize the partial block the rows add in float) and read back unchanged."""
+    for kind in ("linear", "tiles", "q4", "axpy"):
+        assert len(got[kind]) == len(plain[kind]) > 0
+        for a, b in zip(got[kind], plain[kind]):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max())), (isa, kind)
+    assert len(got["tiles"]) == len(got["linear"])
+    for a, b in zip(got["tiles"], got["linear"]):
+        assert torch.allclose(a, b, rtol=1e-2, atol=1e-2 * float(b.abs().max())), isa
+    assert got["tilerows"] and all(float(t) == 1.0 for t in got["tilerows"]), isa
 
 
 def _harness(isa: str, tmp: Path) -> dict:
@@ -257,10 +291,7 @@ def plain_harness(tmp_path_factory):
 def test_harness_of_every_path_equals_the_plain_c_path(isa, plain_harness, tmp_path):
     got, plain = _harness(isa, tmp_path), plain_harness
     assert got["isa"] == isa and plain["isa"] == "plain"
-    for kind in ("linear", "q4", "axpy"):  # the same block sums (axpy: in the same order)
-        assert len(got[kind]) == len(plain[kind]) > 0
-        for a, b in zip(got[kind], plain[kind]):
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max())), (isa, kind)
+    check_harness_products(got, plain, isa)
     # whole decode steps: a float sum's last bit can move an int8 activation by one step, and
     # (per token) a neuron within a last bit of a threshold across it
     for kind in ("decode", "decode4", "decodet", "decode4t"):
