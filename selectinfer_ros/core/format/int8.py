@@ -154,17 +154,21 @@ class Int8Embedding(nn.Module):
         return rows * self.embed_scale if self.embed_scale is not None else rows
 
 
-def tile_output_layer(model: nn.Module) -> bool:
-    """Hold an int8 output layer in the kernel's tile layout (and a token embedding tied to it,
-    which then reads its rows back from the tiles: one copy); True if it did. The output layer is
-    the largest product of a decode step (Gemma 3 270M: 168 of 260 MB) and every one of its rows
-    is read for every token, which the tiles read as one stream."""
-    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    if not isinstance(head, Int8Linear):
-        return False
-    rows = head.weight
-    if not head.to_tiles():
-        return False
-    if isinstance(emb, Int8Embedding) and emb.weight is rows:
-        emb.weight, emb.tiled = head.weight, True
-    return True
+def tile_int8_layers(model: nn.Module) -> int:
+    """Hold every int8 linear layer of ``model`` (the attention projections and the output
+    layer: the neuron records stay rows, a task switch rewrites them) in the kernel's tile
+    layout, and a token embedding tied to the output layer reads its rows back from the same
+    tiles (one copy); the number of layers tiled (0 where the tiles do not pay). The output
+    layer is the largest product of a decode step (Gemma 3 270M: 168 of 260 MB), read whole
+    for every token: the tiles read it as one stream."""
+    emb = model.get_input_embeddings()
+    tied = getattr(model.get_output_embeddings(), "weight", None)
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, Int8Linear):
+            rows = mod.weight
+            if mod.to_tiles():
+                n += 1
+                if isinstance(emb, Int8Embedding) and emb.weight is rows and rows is tied:
+                    emb.weight, emb.tiled = mod.weight, True
+    return n

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_decode.c"
-ABI_VERSION = 11
+ABI_VERSION = 12
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
 # (name, cpuinfo flags it needs, compiler flags), best first, per machine
@@ -55,7 +55,8 @@ BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-std=c11"]
 class Mat(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("n", ctypes.c_int64),
                 ("k", ctypes.c_int64), ("ldw", ctypes.c_int64), ("d", ctypes.c_void_p),
-                ("ldd", ctypes.c_int64), ("bias", ctypes.c_void_p)]  # bias: float32 [n] or None
+                ("ldd", ctypes.c_int64), ("bias", ctypes.c_void_p),  # bias: float32 [n] or None
+                ("tiled", ctypes.c_int64)]  # 1: w holds the rows as tiles (si_tile_pack)
 
 
 class LayerC(ctypes.Structure):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..format.architectures import activation_name, architecture_for
-from ..format.int8 import Int8Embedding, Int8Linear, kernel_status, tile_output_layer
+from ..format.int8 import Int8Embedding, Int8Linear, kernel_status, tile_int8_layers
 from ..format.q4 import Q4Embedding, Q4Linear
 from ..options import COMPUTE_MODES, SELECTIONS, check_ratios
 from ..format.pack import (FFN_FILE, OTHER_FILE, Manifest, check_ffn_file, checksum_error, neuron_key,
@@ -129,7 +129,7 @@ def _load_other(model: nn.Module, config, path: Path, dtype: torch.dtype,
     if missing:
         raise FormatError(f"{path / OTHER_FILE}: missing tensors {missing[:5]}")
     _rebuild_computed_buffers(model, config, device)
-    tile_output_layer(model)
+    tile_int8_layers(model)
 
 
 def _rebuild_computed_buffers(model: nn.Module, config, device: torch.device) -> None:

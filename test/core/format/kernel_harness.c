@@ -196,11 +196,36 @@ int main(int argc, char **argv) {
         ly->down_ld = loaded;
         ly->n_active = 80; /* two full blocks and a partial one */
     }
-    float *x = malloc(H * sizeof(float));
+    float *x = malloc(H * sizeof(float)), *xin = malloc(6 * H * sizeof(float));
     for (int64_t pos = 0; pos < 6; pos++) {
-        for (int64_t i = 0; i < H; i++) x[i] = urand();
+        for (int64_t i = 0; i < H; i++) x[i] = xin[pos * H + i] = urand();
         if (si_decode_layers(&m, layers, L, x, pos, 2, NULL) != 0) return 1;
         print("decode", pos, 0, x, H);
+    }
+    /* the same steps with the attention projections held as tiles ("decodetl") */
+    si_mat rows[2][4];
+    for (int l = 0; l < L; l++) {
+        si_mat *ms[4] = {&layers[l].q, &layers[l].k, &layers[l].v, &layers[l].o};
+        for (int j = 0; j < 4; j++) {
+            rows[l][j] = *ms[j];
+            uint8_t *pk = malloc((size_t)si_tile_bytes(ms[j]->n, ms[j]->k));
+            si_tile_pack(ms[j]->w, ms[j]->n, ms[j]->k, ms[j]->ldw, pk, 1);
+            ms[j]->w = (const int8_t *)pk;
+            ms[j]->ldw = 0;
+            ms[j]->tiled = 1;
+        }
+    }
+    for (int64_t pos = 0; pos < 6; pos++) {
+        memcpy(x, xin + pos * H, H * sizeof(float));
+        if (si_decode_layers(&m, layers, L, x, pos, 2, NULL) != 0) return 1;
+        print("decodetl", pos, 0, x, H);
+    }
+    for (int l = 0; l < L; l++) {
+        si_mat *ms[4] = {&layers[l].q, &layers[l].k, &layers[l].v, &layers[l].o};
+        for (int j = 0; j < 4; j++) {
+            free((void *)ms[j]->w);
+            *ms[j] = rows[l][j];
+        }
     }
     /* per-token selection over all 80 active slots (GELU), about half of them kept */
     int64_t kept[2], cand[2];

@@ -88,7 +88,7 @@ def test_output_layer_in_tiles_equals_its_rows_and_a_tied_embedding_reads_them_b
     xs = [torch.randn(1, 1, 96, generator=g), torch.randn(4, 96, generator=g),
           torch.randn(2, 7, 96, generator=g)]
     rows, logits = emb(ids), [model.head(x) for x in xs]
-    assert int8.tile_output_layer(model) == bool(int8.kernel().si_tile_pays())
+    assert int8.tile_int8_layers(model) == int(bool(int8.kernel().si_tile_pays()))
     assert model.head.tiled and emb.tiled and emb.weight is model.head.weight
     assert emb.weight.dtype == torch.uint8 and emb.weight.numel() == 1008 * 96  # 63 whole tiles
     assert torch.equal(emb(ids), rows)

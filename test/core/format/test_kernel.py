@@ -232,8 +232,9 @@ def test_decode_steps_of_every_path_equal_the_plain_c_path(isa, int8_tiny, plain
 # and whole decode steps of small int8 and 4-bit models, with an active prefix and with per-token
 # selection (si_layer.token, its kept and candidate counts), on 2 threads
 HARNESS = Path(__file__).with_name("kernel_harness.c")
-_HARNESS_KINDS = ("linear", "tiles", "tilerows", "q4", "axpy", "decode", "decode4", "decodet", "keptt", "candt",
-                  "decode4t", "kept4t", "cand4t", "batchpa", "batchpb", "batchta", "batchtb")
+_HARNESS_KINDS = ("linear", "tiles", "tilerows", "q4", "axpy", "decode", "decodetl", "decode4",
+                  "decodet", "keptt", "candt", "decode4t", "kept4t", "cand4t", "batchpa",
+                  "batchpb", "batchta", "batchtb")
 
 
 def check_harness_batches(got: dict, plain: dict) -> None:
@@ -260,6 +261,11 @@ def check_harness_products(got: dict, plain: dict, isa: str) -> None:
     for a, b in zip(got["tiles"], got["linear"]):
         assert torch.allclose(a, b, rtol=1e-2, atol=1e-2 * float(b.abs().max())), isa
     assert got["tilerows"] and all(float(t) == 1.0 for t in got["tilerows"]), isa
+    # decode steps with the attention projections as tiles: the steps with rows, to the last
+    # bit of a float sum moving an int8 activation by one step (K a whole number of blocks)
+    assert len(got["decodetl"]) == len(got["decode"]) == 6
+    rel = torch.stack([(a - b).abs().max() / b.std() for a, b in zip(got["decodetl"], got["decode"])])
+    assert float(rel.median()) < 1e-3 and float(rel.max()) < 0.05, (isa, rel)
 
 
 def _harness(isa: str, tmp: Path) -> dict:

@@ -39,7 +39,7 @@
 #endif
 
 #ifndef SI_ABI_VERSION
-#define SI_ABI_VERSION 11
+#define SI_ABI_VERSION 12
 #endif
 
 #if defined(SI_PLAIN)
@@ -934,7 +934,7 @@ int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, in
 #define TILE_PRODUCT(R)                                                                        \
     static void tiles##R(const uint8_t *pk, int64_t nb, int64_t N, const int8_t *xq,            \
                          const float *xd, const int32_t *xs, const float *scale, float *y,      \
-                         int64_t ldy, int64_t t0, int64_t t1) {                                 \
+                         int64_t ldy, int64_t ldq, int64_t lds, int64_t t0, int64_t t1) {       \
         for (int64_t t = t0; t < t1; t++) {                                                     \
             __m512 f[R];                                                                        \
             for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps();                             \
@@ -942,15 +942,15 @@ int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, in
             _mm_prefetch((const char *)(p + nb * TR * QK), _MM_HINT_T0);                        \
             for (int64_t b = 0; b < nb; b++, p += TR * QK) {                                    \
                 __m512i a[R];                                                                   \
-                for (int r = 0; r < R; r++) a[r] = _mm512_set1_epi32(-128 * xs[r * nb + b]);    \
+                for (int r = 0; r < R; r++) a[r] = _mm512_set1_epi32(-128 * xs[r * lds + b]);    \
                 for (int q = 0; q < QK / 4; q++) {                                              \
                     __m512i wv = _mm512_loadu_si512((const void *)(p + q * 64));                \
                     for (int r = 0; r < R; r++)                                                 \
                         a[r] = _mm512_dpbusd_epi32(                                             \
-                            a[r], wv, _mm512_set1_epi32(quad4(xq + (r * nb + b) * QK + q * 4))); \
+                            a[r], wv, _mm512_set1_epi32(quad4(xq + r * ldq + b * QK + q * 4))); \
                 }                                                                               \
                 for (int r = 0; r < R; r++)                                                     \
-                    f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), _mm512_set1_ps(xd[r * nb + b]), f[r]); \
+                    f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), _mm512_set1_ps(xd[r * lds + b]), f[r]); \
             }                                                                                   \
             int64_t n0 = t * TR, left = N - n0;                                                 \
             __mmask16 k = left >= TR ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);       \
@@ -972,7 +972,7 @@ int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, in
 #define TILE_PRODUCT(R)                                                                        \
     static void tiles##R(const uint8_t *pk, int64_t nb, int64_t N, const int8_t *xq,            \
                          const float *xd, const int32_t *xs, const float *scale, float *y,      \
-                         int64_t ldy, int64_t t0, int64_t t1) {                                 \
+                         int64_t ldy, int64_t ldq, int64_t lds, int64_t t0, int64_t t1) {       \
         for (int64_t t = t0; t < t1; t++)                                                       \
             for (int h = 0; h < 2; h++) {                                                       \
                 __m256 f[R];                                                                    \
@@ -980,15 +980,15 @@ int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, in
                 const uint8_t *p = pk + t * nb * TR * QK + h * 32;                              \
                 for (int64_t b = 0; b < nb; b++, p += TR * QK) {                                \
                     __m256i a[R];                                                               \
-                    for (int r = 0; r < R; r++) a[r] = TILE_INIT(xs[r * nb + b]);               \
+                    for (int r = 0; r < R; r++) a[r] = TILE_INIT(xs[r * lds + b]);               \
                     for (int q = 0; q < QK / 4; q++) {                                          \
                         __m256i wv = _mm256_loadu_si256((const __m256i *)(p + q * 64));         \
                         for (int r = 0; r < R; r++)                                             \
                             a[r] = TILE_DOT(a[r], wv,                                           \
-                                _mm256_set1_epi32(quad4(xq + (r * nb + b) * QK + q * 4))); \
+                                _mm256_set1_epi32(quad4(xq + r * ldq + b * QK + q * 4))); \
                     }                                                                           \
                     for (int r = 0; r < R; r++)                                                 \
-                        f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r]), _mm256_set1_ps(xd[r * nb + b]), f[r]); \
+                        f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r]), _mm256_set1_ps(xd[r * lds + b]), f[r]); \
                 }                                                                               \
                 int64_t n0 = t * TR + h * 8;                                                    \
                 float o[8];                                                                     \
@@ -1009,7 +1009,7 @@ int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, in
 #define TILE_PRODUCT(R)                                                                        \
     static void tiles##R(const uint8_t *pk, int64_t nb, int64_t N, const int8_t *xq,            \
                          const float *xd, const int32_t *xs, const float *scale, float *y,      \
-                         int64_t ldy, int64_t t0, int64_t t1) {                                 \
+                         int64_t ldy, int64_t ldq, int64_t lds, int64_t t0, int64_t t1) {       \
         (void)xs;                                                                               \
         for (int64_t t = t0; t < t1; t++)                                                       \
             for (int h = 0; h < 4; h++) {                                                       \
@@ -1023,7 +1023,7 @@ int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, in
                         int8x16_t w0 = vld1q_s8(p + q * 64), w1 = vld1q_s8(p + (q + 1) * 64);    \
                         int8x16_t w2 = vld1q_s8(p + (q + 2) * 64), w3 = vld1q_s8(p + (q + 3) * 64); \
                         for (int r = 0; r < R; r++) {                                           \
-                            int8x16_t xv = vld1q_s8(xq + (r * nb + b) * QK + q * 4);            \
+                            int8x16_t xv = vld1q_s8(xq + r * ldq + b * QK + q * 4);            \
                             a[r] = vdotq_laneq_s32(a[r], w0, xv, 0);                            \
                             a[r] = vdotq_laneq_s32(a[r], w1, xv, 1);                            \
                             a[r] = vdotq_laneq_s32(a[r], w2, xv, 2);                            \
@@ -1031,7 +1031,7 @@ int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, in
                         }                                                                       \
                     }                                                                           \
                     for (int r = 0; r < R; r++)                                                 \
-                        f[r] = vfmaq_n_f32(f[r], vcvtq_f32_s32(a[r]), xd[r * nb + b]);          \
+                        f[r] = vfmaq_n_f32(f[r], vcvtq_f32_s32(a[r]), xd[r * lds + b]);          \
                 }                                                                               \
                 int64_t n0 = t * TR + h * 4;                                                    \
                 float o[4];                                                                     \
@@ -1047,7 +1047,7 @@ int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, in
 #define TILE_PRODUCT(R)                                                                        \
     static void tiles##R(const uint8_t *pk, int64_t nb, int64_t N, const int8_t *xq,            \
                          const float *xd, const int32_t *xs, const float *scale, float *y,      \
-                         int64_t ldy, int64_t t0, int64_t t1) {                                 \
+                         int64_t ldy, int64_t ldq, int64_t lds, int64_t t0, int64_t t1) {       \
         (void)xs;                                                                               \
         for (int64_t t = t0; t < t1; t++) {                                                     \
             float f[R][TR] = {{0.0f}};                                                          \
@@ -1055,12 +1055,12 @@ int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, in
             for (int64_t b = 0; b < nb; b++, p += TR * QK)                                      \
                 for (int r = 0; r < R; r++) {                                                   \
                     int32_t a[TR] = {0};                                                        \
-                    const int8_t *x = xq + (r * nb + b) * QK;                                   \
+                    const int8_t *x = xq + r * ldq + b * QK;                                   \
                     for (int q = 0; q < QK / 4; q++)                                            \
                         for (int i = 0; i < TR; i++)                                            \
                             for (int j = 0; j < 4; j++)                                         \
                                 a[i] += (int32_t)p[(q * TR + i) * 4 + j] * x[q * 4 + j];        \
-                    for (int i = 0; i < TR; i++) f[r][i] += (float)a[i] * xd[r * nb + b];       \
+                    for (int i = 0; i < TR; i++) f[r][i] += (float)a[i] * xd[r * lds + b];       \
                 }                                                                               \
             for (int r = 0; r < R; r++)                                                         \
                 for (int64_t i = 0; i < TR && t * TR + i < N; i++)                              \
@@ -1073,9 +1073,35 @@ TILE_PRODUCT(2)
 TILE_PRODUCT(3)
 TILE_PRODUCT(4)
 
+/* Tiles [t0, t1) against M activation rows (row strides ldq, lds), y row stride ldy: the tiles
+   a chunk at a time, all rows (4 at a time) over each chunk from the cache. */
+static void tiles_rows(const uint8_t *pk, int64_t nb, int64_t N, int64_t M, const int8_t *xq,
+                       const float *xd, const int32_t *xs, int64_t ldq, int64_t lds,
+                       const float *scale, float *y, int64_t ldy, int64_t t0, int64_t t1);
+
 #ifndef TILE_CHUNK
 #define TILE_CHUNK 2 /* tiles all activation rows take turns over (from L1) */
 #endif
+
+static void tiles_rows(const uint8_t *pk, int64_t nb, int64_t N, int64_t M, const int8_t *xq,
+                       const float *xd, const int32_t *xs, int64_t ldq, int64_t lds,
+                       const float *scale, float *y, int64_t ldy, int64_t t0, int64_t t1) {
+    for (int64_t c = t0; c < t1; c += TILE_CHUNK) {
+        const int64_t c1 = c + TILE_CHUNK < t1 ? c + TILE_CHUNK : t1;
+        for (int64_t m = 0; m < M; m += 4) {
+            const int8_t *q = xq + m * ldq;
+            const float *d = xd + m * lds;
+            const int32_t *s = xs + m * lds;
+            float *o = y + m * ldy;
+            switch (M - m < 4 ? M - m : 4) {
+            case 1: tiles1(pk, nb, N, q, d, s, scale, o, ldy, ldq, lds, c, c1); break;
+            case 2: tiles2(pk, nb, N, q, d, s, scale, o, ldy, ldq, lds, c, c1); break;
+            case 3: tiles3(pk, nb, N, q, d, s, scale, o, ldy, ldq, lds, c, c1); break;
+            default: tiles4(pk, nb, N, q, d, s, scale, o, ldy, ldq, lds, c, c1); break;
+            }
+        }
+    }
+}
 
 /* y [M, N] = x [M, K] . (the packed matrix)^T * scale (NULL = 1); every row count: each tile is
    read from memory once and from the cache once per 4 activation rows. */
@@ -1098,21 +1124,7 @@ int si_tile_linear(const float *x, int64_t M, int64_t K, const uint8_t *pk, int6
     {
         int64_t t0, t1;
         share(nt, team_id(), team_size(), &t0, &t1);
-        for (int64_t c = t0; c < t1; c += TILE_CHUNK) {
-            const int64_t c1 = c + TILE_CHUNK < t1 ? c + TILE_CHUNK : t1;
-            for (int64_t m = 0; m < M; m += 4) {
-                const int8_t *q = xq + m * nb * QK;
-                const float *d = xd + m * nb;
-                const int32_t *s = xs + m * nb;
-                float *o = y + m * N;
-                switch (M - m < 4 ? M - m : 4) {
-                case 1: tiles1(pk, nb, N, q, d, s, scale, o, N, c, c1); break;
-                case 2: tiles2(pk, nb, N, q, d, s, scale, o, N, c, c1); break;
-                case 3: tiles3(pk, nb, N, q, d, s, scale, o, N, c, c1); break;
-                default: tiles4(pk, nb, N, q, d, s, scale, o, N, c, c1); break;
-                }
-            }
-        }
+        tiles_rows(pk, nb, N, M, xq, xd, xs, nb * QK, nb, scale, y, N, t0, t1);
     }
     free(xq);
     free(xd);
@@ -1505,6 +1517,7 @@ typedef struct {
     const uint16_t *d; /* 4-bit rows: float16 block scales [n, k / 32] at row stride ldd */
     int64_t ldd;
     const float *bias; /* [n]; NULL: none (Qwen2's q/k/v projections have one) */
+    int64_t tiled;     /* 1: w holds int8 rows as tiles (si_tile_pack; ldw unused) */
 } si_mat;
 
 typedef struct {
@@ -1595,8 +1608,12 @@ static void rms_norm(const float *x, const float *w, int64_t n, float eps, float
 
 /* Row b's scratch: the model with its scratch pointers moved to batch row b (strides in
    si_model); row 0 is the model itself. */
+/* Row strides of a batch's scratch: xq (bytes), xd and xs (elements). */
+static inline int64_t xq_stride(const si_model *m) { return m->max_k + QK; }
+static inline int64_t xd_stride(const si_model *m) { return m->max_k / QK + 2; }
+
 static void row_scratch(const si_model *m, int64_t b, si_model *r) {
-    const int64_t K = m->max_k, nb = K / QK + 2;
+    const int64_t K = m->max_k, nb = xd_stride(m);
     *r = *m;
     r->h += b * K;
     r->q += b * K;
@@ -1604,7 +1621,7 @@ static void row_scratch(const si_model *m, int64_t b, si_model *r) {
     r->a += b * K;
     r->kv += b * 2 * K;
     r->gu += b * 2 * K;
-    r->xq += b * (K + QK);
+    r->xq += b * xq_stride(m);
     r->xd += b * nb;
     r->xs += b * nb;
     if (r->prep) r->prep += b * prep_bytes(K);
@@ -1623,6 +1640,16 @@ static inline int m_prep(const si_model *R) { return R[0].prep != NULL; }
 static void gemv_rows(const si_mat *mt, const si_model *R, int64_t B, const float *x, int64_t ldx,
                       float *y, int64_t ldy, int t, int nt) {
     int64_t n0, n1;
+    if (mt->tiled) { /* whole tiles per member; every row of the batch over each */
+        const int64_t nb = (mt->k + QK - 1) / QK;
+        share((mt->n + TR - 1) / TR, t, nt, &n0, &n1);
+        tiles_rows((const uint8_t *)mt->w, nb, mt->n, B, R[0].xq, R[0].xd, R[0].xs,
+                   xq_stride(R), xd_stride(R), mt->scale, y, ldy, n0, n1);
+        if (mt->bias)
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t n = n0 * TR; n < n1 * TR && n < mt->n; n++) y[b * ldy + n] += mt->bias[n];
+        return;
+    }
     share(mt->n, t, nt, &n0, &n1);
 #ifdef SI_PREP
     if (!mt->d && m_prep(R)) { /* every row prepared: each weight row once for all of them */
