@@ -462,9 +462,10 @@ class NativeInt8Step:
                     setattr(c, name, native.Mat(w.data_ptr(), None, w.shape[0], lin.in_features,
                                                 w.stride(0), lin.scale.data_ptr(), lin.scale.stride(0),
                                                 bias))
-                elif lin.tiled:  # int8 rows as tiles (uint8 [si_tile_bytes])
+                elif lin.tiled:  # int8 rows as tiles (uint8 [si_tile_bytes]), blocks a tile
                     setattr(c, name, native.Mat(w.data_ptr(), lin.scale.data_ptr(), lin.out_features,
-                                                lin.in_features, 0, None, 0, bias, 1))
+                                                lin.in_features, -(-lin.in_features // 32), None,
+                                                0, bias, 1))
                 else:
                     setattr(c, name, native.Mat(w.data_ptr(), lin.scale.data_ptr(), w.shape[0],
                                                 w.shape[1], w.stride(0), None, 0, bias))
@@ -478,7 +479,7 @@ class NativeInt8Step:
                     raise ValueError(f"layer {i}: 4-bit records in an unexpected layout")
                 c.rec, c.rec_ld = mlp.rec.data_ptr(), mlp.rec.stride(0)
                 c.gu = c.gu_scale = c.up = c.up_scale = c.down = c.down_scale = None
-                c.down_ld = 0
+                c.down_ld, c.tiled = 0, 0
             else:
                 c.gu, c.gu_scale = mlp.gu.data_ptr(), mlp.gu_scale.data_ptr()
                 c.down, c.down_scale = mlp.down.data_ptr(), mlp.down_scale.data_ptr()
@@ -486,6 +487,10 @@ class NativeInt8Step:
                 # gu [k, 2, H], down [H, k] (the active prefix of each row); per token: gu
                 # planar [2, k, H] (gate rows, then up rows), down neuron-major [k, H]
                 k = mlp.n_loaded
+                c.tiled = int(mlp.tiled)
+                if mlp.tiled:  # tiles of gu [2k, H] and down [H, k]
+                    c.down_ld, c.rec, c.rec_ld = k, None, 0
+                    continue
                 if mlp.token_layout:
                     c.up, c.up_scale = mlp.gu[1].data_ptr(), mlp.gu_scale[1].data_ptr()
                 gu_ok = (mlp.gu.stride() == ((k * H, H, 1) if mlp.token_layout else (2 * H, H, 1))

@@ -59,28 +59,59 @@ def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None) -> torc
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
+def tiles_pay(device: torch.device | str) -> bool:
+    """Whether int8 rows on ``device`` are held as the kernel's tiles (:func:`tiles_of`): on the
+    CPU, where the kernel is built and its path gains from them (``si_tile_pays``)."""
+    lib = kernel() if torch.device(device).type == "cpu" else None
+    return lib is not None and bool(lib.si_tile_pays())
+
+
+def empty_tiles(N: int, K: int) -> torch.Tensor:
+    """Room for an ``[N, K]`` int8 matrix as tiles: ``uint8 [si_tile_bytes(N, K)]`` (16 rows
+    interleaved four columns at a time, zero padded to whole tiles and blocks of 32)."""
+    return torch.zeros(kernel().si_tile_bytes(N, K), dtype=torch.uint8)
+
+
 def tiles_of(q: torch.Tensor) -> torch.Tensor | None:
-    """``q [N, K]`` int8 rows in the kernel's tile layout (16 rows interleaved four columns at a
-    time, ``uint8 [si_tile_bytes(N, K)]``; see ``si_tile_pack``), or None where the tiles do not
-    pay (no kernel, a CPU path that keeps the rows, rows not on the CPU)."""
-    lib = kernel() if q.device.type == "cpu" else None
-    if lib is None or not lib.si_tile_pays() or q.stride(1) != 1:
+    """``q [N, K]`` int8 rows in the kernel's tile layout (``si_tile_pack``), or None where the
+    tiles do not pay (:func:`tiles_pay`)."""
+    if not tiles_pay(q.device) or q.stride(1) != 1:
         return None
     N, K = q.shape
-    tiles = torch.empty(lib.si_tile_bytes(N, K), dtype=torch.uint8)
-    lib.si_tile_pack(q.data_ptr(), N, K, q.stride(0), tiles.data_ptr(), torch.get_num_threads())
+    tiles = empty_tiles(N, K)
+    kernel().si_tile_pack(q.data_ptr(), N, K, q.stride(0), tiles.data_ptr(), torch.get_num_threads())
     return tiles
 
 
-def tile_linear(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, N: int) -> torch.Tensor:
-    """``x [..., K] @ (rows * scale).T`` -> ``[..., N]`` over rows held as :func:`tiles_of`."""
+def tile_io(name: str, tiles: torch.Tensor, N: int, K: int, ids: torch.Tensor,
+            rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows or columns ``ids`` of the ``[N, K]`` matrix held as ``tiles``: ``name`` "rows" /
+    "cols" reads them (``[n, K]`` / ``[n, N]`` int8), "put_rows" / "put_cols" writes ``rows``
+    there (and returns it)."""
+    ids = ids.to(torch.int64).contiguous()
+    put = name.startswith("put")
+    if rows is None:
+        rows = torch.empty(ids.numel(), K if name.endswith("rows") else N, dtype=torch.int8)
+    rows = rows.contiguous()
+    fn = getattr(kernel(), f"si_tile_{name}")
+    if fn(tiles.data_ptr(), N, K, ids.data_ptr(), ids.numel(), rows.data_ptr()) != 0:
+        raise IndexError(f"tiles {name}: an id out of range for an [{N}, {K}] matrix")
+    return rows
+
+
+def tile_linear(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor | None, N: int,
+                ldk: int | None = None) -> torch.Tensor:
+    """``x [..., K] @ (rows * scale).T`` -> ``[..., N]`` over the first ``N`` rows and ``K``
+    columns of an ``[>= N, ldk]`` matrix held as :func:`tiles_of` (``ldk`` None: ``K``)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()
-    y = torch.empty(x2.shape[0], N, dtype=torch.float32)
-    if kernel().si_tile_linear(x2.data_ptr(), x2.shape[0], K, tiles.data_ptr(), N,
-                               scale.data_ptr(), y.data_ptr(), torch.get_num_threads()) != 0:
+    y = torch.zeros(x2.shape[0], N, dtype=torch.float32)
+    if K and x2.shape[0] and kernel().si_tile_linear(x2.data_ptr(), x2.shape[0], K, tiles.data_ptr(), N,
+                               K if ldk is None else ldk,
+                               scale.data_ptr() if scale is not None else None, y.data_ptr(),
+                               torch.get_num_threads()) != 0:
         raise MemoryError("int8 kernel: out of memory for the quantized activations")
     y = y.view(*x.shape[:-1], N)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -142,12 +173,8 @@ class Int8Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [B, T] -> [B, T, H]
         if self.tiled:
-            flat = ids.reshape(-1).to(torch.int64).contiguous()
-            q = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.int8)
-            if kernel().si_tile_rows(self.weight.data_ptr(), self.num_embeddings, self.embedding_dim,
-                                     flat.data_ptr(), flat.numel(), q.data_ptr()) != 0:
-                raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-            q = q.view(*ids.shape, self.embedding_dim)
+            q = tile_io("rows", self.weight, self.num_embeddings, self.embedding_dim,
+                        ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
         else:
             q = self.weight[ids]
         rows = q.to(self.dtype) * self.scale[ids].unsqueeze(-1).to(self.dtype)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_decode.c"
-ABI_VERSION = 12
+ABI_VERSION = 13
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
 # (name, cpuinfo flags it needs, compiler flags), best first, per machine
@@ -56,7 +56,7 @@ class Mat(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("n", ctypes.c_int64),
                 ("k", ctypes.c_int64), ("ldw", ctypes.c_int64), ("d", ctypes.c_void_p),
                 ("ldd", ctypes.c_int64), ("bias", ctypes.c_void_p),  # bias: float32 [n] or None
-                ("tiled", ctypes.c_int64)]  # 1: w holds the rows as tiles (si_tile_pack)
+                ("tiled", ctypes.c_int64)]  # 1: w holds tiles (si_tile_pack), ldw blocks a tile
 
 
 class LayerC(ctypes.Structure):
@@ -77,7 +77,9 @@ class LayerC(ctypes.Structure):
                 # candidates (up row read) are added to (None: not counted)
                 + [("token", ctypes.c_int64), ("gate_thr", ctypes.c_float),
                    ("act_thr", ctypes.c_float), ("kept", ctypes.c_void_p),
-                   ("candidates", ctypes.c_void_p)])
+                   ("candidates", ctypes.c_void_p),
+                   # 1: gu and down hold their rows as tiles (si_tile_pack; down_ld: slots)
+                   ("tiled", ctypes.c_int64)])
 
 
 class ModelC(ctypes.Structure):
@@ -260,14 +262,15 @@ def _open(out: Path, name: str) -> Kernel:
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                   ctypes.c_void_p, ctypes.c_int]
-    f = lib.si_tile_rows
-    f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                  ctypes.c_int64, ctypes.c_void_p]
+    for fn in ("si_tile_rows", "si_tile_put_rows", "si_tile_cols", "si_tile_put_cols"):
+        f = getattr(lib, fn)  # (tiles, N, K, ids int64 [n], n, int8 rows)
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                      ctypes.c_int64, ctypes.c_void_p]
     f = lib.si_tile_linear
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                  ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     f = lib.si_linear_q4
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..format.architectures import activation_name, architecture_for
-from ..format.int8 import Int8Embedding, Int8Linear, kernel_status, tile_int8_layers
+from ..format.int8 import Int8Embedding, Int8Linear, kernel_status, tile_int8_layers, tiles_pay
 from ..format.q4 import Q4Embedding, Q4Linear
 from ..options import COMPUTE_MODES, SELECTIONS, check_ratios
 from ..format.pack import (FFN_FILE, OTHER_FILE, Manifest, check_ffn_file, checksum_error, neuron_key,
@@ -312,7 +312,8 @@ class SelectiveModel:
     def _empty_slots(self, k: int) -> Slots:
         m = self.manifest
         return Slots.empty(k, m.hidden_size, self.dtype, m.int8_ffn, self.device,
-                           m.record_bytes if m.q4_ffn else 0, token_layout=self.state.per_token)
+                           m.record_bytes if m.q4_ffn else 0, token_layout=self.state.per_token,
+                           tiled=m.int8_ffn and not self.state.per_token and tiles_pay(self.device))
 
     def _load_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor, n_static: int) -> int:
         """Fill layer ``layer`` with neurons ``ids`` (slot order) read from disk. Returns records read."""

@@ -59,7 +59,10 @@ class Slots:
     ``gu_scale`` ``[k, 2]`` and ``down_scale`` ``[k]`` float32; int8 ``token_layout``, for
     per-token selection: ``gu`` ``[2, k, H]`` and ``gu_scale`` ``[2, k]`` planar, ``down``
     ``[k, H]`` neuron-major), or 4-bit records ``rec`` uint8 ``[k, record_bytes]`` as stored
-    (:func:`..format.pack.q4_records`; no ``gu``, ``down``)."""
+    (:func:`..format.pack.q4_records`; no ``gu``, ``down``). int8 ``tiled`` (prefix selection on
+    CPUs whose kernel gains from it): ``gu`` holds the ``[2k, H]`` rows and ``down`` the
+    ``[H, k]`` rows as the kernel's tiles (:func:`..format.int8.tiles_of`), read and written a
+    neuron at a time through :func:`..format.int8.tile_io`."""
 
     gu: torch.Tensor | None
     down: torch.Tensor | None
@@ -67,12 +70,15 @@ class Slots:
     down_scale: torch.Tensor | None = None
     rec: torch.Tensor | None = None
     token_layout: bool = False  # int8 gu planar [2, k, H], down neuron-major [k, H] (per token)
+    tiled: bool = False  # int8 gu and down as tiles
+    hidden: int = 0  # H (tiled: the tiles do not say)
 
     @classmethod
     def empty(cls, k: int, hidden: int, dtype: torch.dtype, quantized: bool,
-              device: torch.device | str, record_bytes: int = 0, token_layout: bool = False) -> "Slots":
+              device: torch.device | str, record_bytes: int = 0, token_layout: bool = False,
+              tiled: bool = False) -> "Slots":
         """``record_bytes`` > 0: slots of 4-bit records of that size; ``token_layout``: int8 slots
-        laid out for per-token selection."""
+        laid out for per-token selection; ``tiled``: int8 slots as tiles (CPU)."""
         if record_bytes:
             return cls(None, None, rec=torch.empty(k, record_bytes, dtype=torch.uint8, device=device))
         if not quantized:
@@ -82,8 +88,37 @@ class Slots:
         if token_layout:
             return cls(torch.empty(2, k, hidden, **i8), torch.empty(k, hidden, **i8),
                        torch.empty(2, k, **f32), torch.empty(k, **f32), token_layout=True)
+        if tiled:
+            return cls(int8.empty_tiles(2 * k, hidden), int8.empty_tiles(hidden, k),
+                       torch.empty(k, 2, **f32), torch.empty(k, **f32), tiled=True, hidden=hidden)
         return cls(torch.empty(k, 2, hidden, **i8), torch.empty(hidden, k, **i8),
                    torch.empty(k, 2, **f32), torch.empty(k, **f32))
+
+    @property
+    def k(self) -> int:
+        """Slots held."""
+        return self.rec.shape[0] if self.rec is not None else self.down_scale.shape[0] \
+            if self.down_scale is not None else self.gu.shape[0]
+
+    def unpacked(self, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """int8 slots as rows whatever their storage: ``gu`` ``[n, 2, H]``, ``down`` ``[H, n]``
+        of ``slots`` (None: all)."""
+        ids = torch.arange(self.k) if slots is None else slots.cpu()
+        if not self.tiled:
+            gu = self.gu.transpose(0, 1) if self.token_layout else self.gu
+            down = self.down.t() if self.token_layout else self.down
+            return gu[ids], down[:, ids]
+        H, k = self.hidden, self.k
+        gu = int8.tile_io("rows", self.gu, 2 * k, H, torch.stack([2 * ids, 2 * ids + 1], 1).flatten())
+        return gu.view(-1, 2, H), int8.tile_io("cols", self.down, H, k, ids).t()
+
+    def _put_tiles(self, dst: torch.Tensor, gu: torch.Tensor, down: torch.Tensor) -> None:
+        """Tiled slots ``dst`` take rows ``gu`` ``[n, 2, H]`` and down columns ``down`` ``[n, H]``."""
+        dst = dst.cpu()
+        H, k = self.hidden, self.k
+        int8.tile_io("put_rows", self.gu, 2 * k, H, torch.stack([2 * dst, 2 * dst + 1], 1).flatten(),
+                     gu.to(torch.int8).reshape(-1, H))
+        int8.tile_io("put_cols", self.down, H, k, dst, down.to(torch.int8))
 
     @property
     def down_dim(self) -> int:
@@ -106,6 +141,11 @@ class Slots:
         if self.rec is not None:
             copy_index(self.rec, 0, dst, vals.contiguous(), every)
             return
+        if self.tiled:
+            self._put_tiles(dst, vals[:, :2], vals[:, 2])
+            copy_index(self.gu_scale, 0, dst, scales[:, :2].contiguous(), every)
+            copy_index(self.down_scale, 0, dst, scales[:, 2].contiguous(), every)
+            return
         gu, gu_scale = vals[:, :2], None if scales is None else scales[:, :2]  # [n, 2, H], [n, 2]
         down = vals[:, 2] if self.token_layout else vals[:, 2].t()
         if self.token_layout:
@@ -121,8 +161,12 @@ class Slots:
         if self.rec is not None:
             copy_index(self.rec, 0, dst, other.rec, src)
             return
-        copy_index(self.gu, self.gu_dim, dst, other.gu, src)
-        copy_index(self.down, self.down_dim, dst, other.down, src)
+        if self.tiled:  # read first: src and dst may overlap (swaps)
+            gu, down = other.unpacked(src)
+            self._put_tiles(dst, gu, down.t())
+        else:
+            copy_index(self.gu, self.gu_dim, dst, other.gu, src)
+            copy_index(self.down, self.down_dim, dst, other.down, src)
         if self.quantized:
             copy_index(self.gu_scale, self.gu_dim, dst, other.gu_scale, src)
             copy_index(self.down_scale, 0, dst, other.down_scale, src)
@@ -173,12 +217,14 @@ class SelectiveMLP(nn.Module):
         self.register_buffer("rec", None)  # [k, record_bytes] uint8, 4-bit records only
         self.register_buffer("slot_ids", torch.empty(0, dtype=torch.long, device=device))  # [k]
         self.token_layout = False  # int8 ``gu`` [2, k, H], ``down`` [k, H] (per-token selection)
+        self.tiled = False  # int8 ``gu`` and ``down`` as tiles (Slots.tiled)
         self.gate_thr = 0.0  # per-token mode: |act(gate)| a candidate clears
         self.act_thr = 0.0  # per-token mode: |act(gate) * up| a computed neuron clears
 
     @property
     def slots(self) -> Slots:
-        return Slots(self.gu, self.down, self.gu_scale, self.down_scale, self.rec, self.token_layout)
+        return Slots(self.gu, self.down, self.gu_scale, self.down_scale, self.rec, self.token_layout,
+                     self.tiled, self.hidden)
 
     @property
     def n_loaded(self) -> int:
@@ -189,7 +235,7 @@ class SelectiveMLP(nn.Module):
         self.gu, self.down = slots.gu, slots.down
         self.gu_scale, self.down_scale = slots.gu_scale, slots.down_scale
         self.rec = slots.rec
-        self.token_layout = slots.token_layout
+        self.token_layout, self.tiled = slots.token_layout, slots.tiled
         self.slot_ids = slot_ids
         self.n_static = n_static
         self.n_active = slot_ids.numel()
@@ -203,6 +249,9 @@ class SelectiveMLP(nn.Module):
         k = self.n_loaded if self.state.prefill or per_token or self.token_layout else self.n_active
         if self.rec is not None:  # 4-bit records: the active prefix, read in place
             out = q4.records_linear(x, self.rec[:k], self.hidden)  # [B, T, k, 2]
+        elif self.tiled:  # rows 2i, 2i + 1: neuron i's gate and up
+            out = int8.tile_linear(x, self.gu, self.gu_scale[:k].view(2 * k), 2 * k
+                                   ).view(*x.shape[:-1], k, 2)
         else:
             # [2k, H]: rows of neurons' gate and up (token_layout: every gate row, then every up
             # row; k is then every loaded slot)
@@ -240,6 +289,8 @@ class SelectiveMLP(nn.Module):
         if self.down_scale is None:
             return nn.functional.linear(h, self.down[:, :k])
         h = h * self.down_scale[:k].to(h.dtype)  # the down column scales fold into the activations
+        if self.tiled:
+            return int8.tile_linear(h, self.down, None, self.hidden, self.n_loaded)
         if not self.token_layout:
             return int8.linear(h, self.down[:, :k], None)
         y = None  # neuron-major rows [k, H]: float products over chunks of neurons

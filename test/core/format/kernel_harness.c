@@ -107,7 +107,7 @@ static int linear_cases(const int64_t (*shapes)[4], int n, int first) {
         uint8_t *pk = malloc((size_t)si_tile_bytes(N, K));
         si_tile_pack(w, N, K, ld, pk, 2);
         for (int threads = 1; threads <= 2; threads++) {
-            if (si_tile_linear(x, M, K, pk, N, (first + i) % 2 ? NULL : scale, y, threads) != 0)
+            if (si_tile_linear(x, M, K, pk, N, K, (first + i) % 2 ? NULL : scale, y, threads) != 0)
                 return 1;
             print("tiles", first + i, threads, y, M * N);
         }
@@ -202,8 +202,23 @@ int main(int argc, char **argv) {
         if (si_decode_layers(&m, layers, L, x, pos, 2, NULL) != 0) return 1;
         print("decode", pos, 0, x, H);
     }
-    /* the same steps with the attention projections held as tiles ("decodetl") */
+    /* the same steps with the attention projections and the neuron slots held as tiles
+       ("decodetl"; gu: [2 loaded, H] rows, down: [H, loaded]) */
     si_mat rows[2][4];
+    const int8_t *slot_rows[2][2];
+    for (int l = 0; l < L; l++) {
+        si_layer *ly = &layers[l];
+        slot_rows[l][0] = ly->gu;
+        slot_rows[l][1] = ly->down;
+        uint8_t *gt = malloc((size_t)si_tile_bytes(2 * loaded, H));
+        uint8_t *dt = malloc((size_t)si_tile_bytes(H, loaded));
+        si_tile_pack(ly->gu, 2 * loaded, H, H, gt, 1);
+        si_tile_pack(ly->down, H, loaded, ly->down_ld, dt, 1);
+        ly->gu = (const int8_t *)gt;
+        ly->down = (const int8_t *)dt;
+        ly->down_ld = loaded;
+        ly->tiled = 1;
+    }
     for (int l = 0; l < L; l++) {
         si_mat *ms[4] = {&layers[l].q, &layers[l].k, &layers[l].v, &layers[l].o};
         for (int j = 0; j < 4; j++) {
@@ -211,7 +226,7 @@ int main(int argc, char **argv) {
             uint8_t *pk = malloc((size_t)si_tile_bytes(ms[j]->n, ms[j]->k));
             si_tile_pack(ms[j]->w, ms[j]->n, ms[j]->k, ms[j]->ldw, pk, 1);
             ms[j]->w = (const int8_t *)pk;
-            ms[j]->ldw = 0;
+            ms[j]->ldw = (ms[j]->k + QK - 1) / QK; /* blocks a tile */
             ms[j]->tiled = 1;
         }
     }
@@ -226,6 +241,12 @@ int main(int argc, char **argv) {
             free((void *)ms[j]->w);
             *ms[j] = rows[l][j];
         }
+        free((void *)layers[l].gu);
+        free((void *)layers[l].down);
+        layers[l].gu = slot_rows[l][0];
+        layers[l].down = slot_rows[l][1];
+        layers[l].down_ld = loaded;
+        layers[l].tiled = 0;
     }
     /* per-token selection over all 80 active slots (GELU), about half of them kept */
     int64_t kept[2], cand[2];

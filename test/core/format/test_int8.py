@@ -140,7 +140,12 @@ def test_int8_model_reads_only_its_records_and_follows_the_float_model(int8_pack
     tensors, _, _ = read_header(path / OTHER_FILE)
     n = round(gamma * m.intermediate_size)
     assert sm.bytes_read == sum(t.nbytes for t in tensors.values()) + m.num_layers * n * m.record_bytes
-    assert sm.weight_bytes()["ffn"] == m.num_layers * n * m.record_bytes
+    H = m.hidden_size
+    lib = int8.kernel()  # tiles: 16-row tiles and 32-column blocks, zero padded
+    per_layer = (lib.si_tile_bytes(2 * n, H) + lib.si_tile_bytes(H, n) + 12 * n
+                 if sm.mlps[0].tiled else n * m.record_bytes)
+    assert sm.mlps[0].tiled == int8.tiles_pay("cpu")
+    assert sm.weight_bytes()["ffn"] == m.num_layers * per_layer
     ids = torch.randint(4, 500, (1, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         a, b = sm.model(ids).logits, ref.model(ids).logits
@@ -160,9 +165,10 @@ def test_int8_task_switch_equals_a_fresh_load(int8_packed, tiny_profiles):
         order, ref_order = torch.argsort(mlp.slot_ids), torch.argsort(ref.slot_ids)
         assert torch.equal(mlp.slot_ids[order], ref.slot_ids[ref_order])
         assert set(mlp.slot_ids[: mlp.n_static].tolist()) == set(ref.slot_ids[: ref.n_static].tolist())
-        assert torch.equal(mlp.gu[order], ref.gu[ref_order])
+        (gu, down), (ref_gu, ref_down) = mlp.slots.unpacked(), ref.slots.unpacked()
+        assert torch.equal(gu[order], ref_gu[ref_order])
         assert torch.equal(mlp.gu_scale[order], ref.gu_scale[ref_order])
-        assert torch.equal(mlp.down[:, order], ref.down[:, ref_order])
+        assert torch.equal(down[:, order], ref_down[:, ref_order])
         assert torch.equal(mlp.down_scale[order], ref.down_scale[ref_order])
     ids = torch.randint(4, 500, (1, 9))
     with torch.no_grad():  # slot order changes only the activation blocks' grouping

@@ -39,7 +39,7 @@
 #endif
 
 #ifndef SI_ABI_VERSION
-#define SI_ABI_VERSION 12
+#define SI_ABI_VERSION 13
 #endif
 
 #if defined(SI_PLAIN)
@@ -856,10 +856,16 @@ int si_linear_i8(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t 
    starts at -128 * (the block's sum of activations), so it is exactly sum xq * w. AVX2 and
    AVX-512BW: stored w, the activation quad's signs moved onto the weights (maddubs of |x| and
    sign(w, x), as on the row path); NEON sdot and plain C: stored w. Every block's integer
-   product is exact; only the order of the float sums differs from the row path. */
+   product is exact and a last partial block is added in float, as on the row path; only the
+   order of the float sums differs. */
 #define TR 16
 #if defined(SI_VNNI512) || defined(SI_AVXVNNI)
 #define TILE_U8 1
+#define TILE_STORE(v) ((uint8_t)((int)(v) + 128))
+#define TILE_LOAD(b) ((int8_t)((int)(b) - 128))
+#else
+#define TILE_STORE(v) ((uint8_t)(int8_t)(v))
+#define TILE_LOAD(b) ((int8_t)(b))
 #endif
 
 /* 1 where the tiles beat the rows on this path (measured, Zen 4 forcing each path, the Gemma
@@ -898,11 +904,7 @@ int si_tile_pack(const int8_t *w, int64_t N, int64_t K, int64_t ldw, uint8_t *pk
         share(nt, team_id(), team_size(), &t0, &t1);
         for (int64_t n = t0 * TR; n < t1 * TR; n++)
             for (int64_t k = 0; k < nb * QK; k++) {
-                int v = n < N && k < K ? w[n * ldw + k] : 0;
-#ifdef TILE_U8
-                v += 128;
-#endif
-                pk[tile_at(nb, n, k)] = (uint8_t)v;
+                pk[tile_at(nb, n, k)] = TILE_STORE(n < N && k < K ? w[n * ldw + k] : 0);
             }
     }
     return 0;
@@ -915,15 +917,40 @@ int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, in
     const int64_t nb = (K + QK - 1) / QK;
     for (int64_t i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= N) return -1;
-        for (int64_t k = 0; k < K; k++) {
-            int v = pk[tile_at(nb, ids[i], k)];
-#ifdef TILE_U8
-            v -= 128;
-#else
-            v = (int8_t)v;
-#endif
-            out[i * K + k] = (int8_t)v;
-        }
+        for (int64_t k = 0; k < K; k++) out[i * K + k] = TILE_LOAD(pk[tile_at(nb, ids[i], k)]);
+    }
+    return 0;
+}
+
+/* Rows ids[0..n) of the packed [N, K] matrix <- src [n, K] (a task switch's neurons). */
+int si_tile_put_rows(uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, int64_t n,
+                     const int8_t *src) {
+    const int64_t nb = (K + QK - 1) / QK;
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= N) return -1;
+        for (int64_t k = 0; k < K; k++) pk[tile_at(nb, ids[i], k)] = TILE_STORE(src[i * K + k]);
+    }
+    return 0;
+}
+
+/* Columns ids[0..n) of the packed [N, K] matrix as rows out [n, N]. */
+int si_tile_cols(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, int64_t n,
+                 int8_t *out) {
+    const int64_t nb = (K + QK - 1) / QK;
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= K) return -1;
+        for (int64_t r = 0; r < N; r++) out[i * N + r] = TILE_LOAD(pk[tile_at(nb, r, ids[i])]);
+    }
+    return 0;
+}
+
+/* Columns ids[0..n) of the packed [N, K] matrix <- src [n, N] (a down projection's neurons). */
+int si_tile_put_cols(uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, int64_t n,
+                     const int8_t *src) {
+    const int64_t nb = (K + QK - 1) / QK;
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= K) return -1;
+        for (int64_t r = 0; r < N; r++) pk[tile_at(nb, r, ids[i])] = TILE_STORE(src[i * N + r]);
     }
     return 0;
 }
@@ -932,14 +959,14 @@ int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, in
    sums): y[r * ldy + n] = scale[n] * sum_b xd[r, b] * sum_k xq[r, k] w[n, k]. */
 #if defined(SI_VNNI512)
 #define TILE_PRODUCT(R)                                                                        \
-    static void tiles##R(const uint8_t *pk, int64_t nb, int64_t N, const int8_t *xq,            \
+    static void tiles##R(const uint8_t *pk, int64_t nb, int64_t nbs, int64_t N, const int8_t *xq,  \
                          const float *xd, const int32_t *xs, const float *scale, float *y,      \
                          int64_t ldy, int64_t ldq, int64_t lds, int64_t t0, int64_t t1) {       \
         for (int64_t t = t0; t < t1; t++) {                                                     \
             __m512 f[R];                                                                        \
             for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps();                             \
-            const uint8_t *p = pk + t * nb * TR * QK;                                           \
-            _mm_prefetch((const char *)(p + nb * TR * QK), _MM_HINT_T0);                        \
+            const uint8_t *p = pk + t * nbs * TR * QK;                                           \
+            _mm_prefetch((const char *)(p + nbs * TR * QK), _MM_HINT_T0);                        \
             for (int64_t b = 0; b < nb; b++, p += TR * QK) {                                    \
                 __m512i a[R];                                                                   \
                 for (int r = 0; r < R; r++) a[r] = _mm512_set1_epi32(-128 * xs[r * lds + b]);    \
@@ -970,14 +997,14 @@ int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, in
                                           _mm256_set1_epi16(1)))
 #endif
 #define TILE_PRODUCT(R)                                                                        \
-    static void tiles##R(const uint8_t *pk, int64_t nb, int64_t N, const int8_t *xq,            \
+    static void tiles##R(const uint8_t *pk, int64_t nb, int64_t nbs, int64_t N, const int8_t *xq,  \
                          const float *xd, const int32_t *xs, const float *scale, float *y,      \
                          int64_t ldy, int64_t ldq, int64_t lds, int64_t t0, int64_t t1) {       \
         for (int64_t t = t0; t < t1; t++)                                                       \
             for (int h = 0; h < 2; h++) {                                                       \
                 __m256 f[R];                                                                    \
                 for (int r = 0; r < R; r++) f[r] = _mm256_setzero_ps();                         \
-                const uint8_t *p = pk + t * nb * TR * QK + h * 32;                              \
+                const uint8_t *p = pk + t * nbs * TR * QK + h * 32;                              \
                 for (int64_t b = 0; b < nb; b++, p += TR * QK) {                                \
                     __m256i a[R];                                                               \
                     for (int r = 0; r < R; r++) a[r] = TILE_INIT(xs[r * lds + b]);               \
@@ -1007,7 +1034,7 @@ int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, in
 #elif defined(SI_NEON_DOT)
 /* 128 bits: each quarter of a tile (4 rows) in turn; sdot by lane of 16 activation bytes. */
 #define TILE_PRODUCT(R)                                                                        \
-    static void tiles##R(const uint8_t *pk, int64_t nb, int64_t N, const int8_t *xq,            \
+    static void tiles##R(const uint8_t *pk, int64_t nb, int64_t nbs, int64_t N, const int8_t *xq,  \
                          const float *xd, const int32_t *xs, const float *scale, float *y,      \
                          int64_t ldy, int64_t ldq, int64_t lds, int64_t t0, int64_t t1) {       \
         (void)xs;                                                                               \
@@ -1015,7 +1042,7 @@ int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, in
             for (int h = 0; h < 4; h++) {                                                       \
                 float32x4_t f[R];                                                               \
                 for (int r = 0; r < R; r++) f[r] = vdupq_n_f32(0.0f);                           \
-                const int8_t *p = (const int8_t *)pk + t * nb * TR * QK + h * 16;               \
+                const int8_t *p = (const int8_t *)pk + t * nbs * TR * QK + h * 16;               \
                 for (int64_t b = 0; b < nb; b++, p += TR * QK) {                                \
                     int32x4_t a[R];                                                             \
                     for (int r = 0; r < R; r++) a[r] = vdupq_n_s32(0);                          \
@@ -1045,13 +1072,13 @@ int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, in
 #else
 /* Plain C: 16 rows' integer sums of a block side by side, as the vector paths hold them. */
 #define TILE_PRODUCT(R)                                                                        \
-    static void tiles##R(const uint8_t *pk, int64_t nb, int64_t N, const int8_t *xq,            \
+    static void tiles##R(const uint8_t *pk, int64_t nb, int64_t nbs, int64_t N, const int8_t *xq,  \
                          const float *xd, const int32_t *xs, const float *scale, float *y,      \
                          int64_t ldy, int64_t ldq, int64_t lds, int64_t t0, int64_t t1) {       \
         (void)xs;                                                                               \
         for (int64_t t = t0; t < t1; t++) {                                                     \
             float f[R][TR] = {{0.0f}};                                                          \
-            const int8_t *p = (const int8_t *)pk + t * nb * TR * QK;                            \
+            const int8_t *p = (const int8_t *)pk + t * nbs * TR * QK;                            \
             for (int64_t b = 0; b < nb; b++, p += TR * QK)                                      \
                 for (int r = 0; r < R; r++) {                                                   \
                     int32_t a[TR] = {0};                                                        \
@@ -1073,19 +1100,20 @@ TILE_PRODUCT(2)
 TILE_PRODUCT(3)
 TILE_PRODUCT(4)
 
-/* Tiles [t0, t1) against M activation rows (row strides ldq, lds), y row stride ldy: the tiles
-   a chunk at a time, all rows (4 at a time) over each chunk from the cache. */
-static void tiles_rows(const uint8_t *pk, int64_t nb, int64_t N, int64_t M, const int8_t *xq,
-                       const float *xd, const int32_t *xs, int64_t ldq, int64_t lds,
-                       const float *scale, float *y, int64_t ldy, int64_t t0, int64_t t1);
-
 #ifndef TILE_CHUNK
 #define TILE_CHUNK 2 /* tiles all activation rows take turns over (from L1) */
 #endif
 
-static void tiles_rows(const uint8_t *pk, int64_t nb, int64_t N, int64_t M, const int8_t *xq,
-                       const float *xd, const int32_t *xs, int64_t ldq, int64_t lds,
-                       const float *scale, float *y, int64_t ldy, int64_t t0, int64_t t1) {
+/* Tiles [t0, t1) (nbs blocks apart) over their first K columns against M activation rows (x
+   float at row stride ldx, quantized: xq, xd, xs at row strides ldq, lds), y row stride ldy:
+   the tiles a chunk at a time, all rows (4 at a time) over each chunk from the cache. The
+   whole blocks as integer products; a last partial block (the active neurons of a down
+   projection) in float, as the row path adds it. */
+static void tiles_rows(const uint8_t *pk, int64_t K, int64_t nbs, int64_t N, int64_t M,
+                       const float *x, int64_t ldx, const int8_t *xq, const float *xd,
+                       const int32_t *xs, int64_t ldq, int64_t lds, const float *scale, float *y,
+                       int64_t ldy, int64_t t0, int64_t t1) {
+    const int64_t nb = K / QK, from = nb * QK;
     for (int64_t c = t0; c < t1; c += TILE_CHUNK) {
         const int64_t c1 = c + TILE_CHUNK < t1 ? c + TILE_CHUNK : t1;
         for (int64_t m = 0; m < M; m += 4) {
@@ -1094,20 +1122,34 @@ static void tiles_rows(const uint8_t *pk, int64_t nb, int64_t N, int64_t M, cons
             const int32_t *s = xs + m * lds;
             float *o = y + m * ldy;
             switch (M - m < 4 ? M - m : 4) {
-            case 1: tiles1(pk, nb, N, q, d, s, scale, o, ldy, ldq, lds, c, c1); break;
-            case 2: tiles2(pk, nb, N, q, d, s, scale, o, ldy, ldq, lds, c, c1); break;
-            case 3: tiles3(pk, nb, N, q, d, s, scale, o, ldy, ldq, lds, c, c1); break;
-            default: tiles4(pk, nb, N, q, d, s, scale, o, ldy, ldq, lds, c, c1); break;
+            case 1: tiles1(pk, nb, nbs, N, q, d, s, scale, o, ldy, ldq, lds, c, c1); break;
+            case 2: tiles2(pk, nb, nbs, N, q, d, s, scale, o, ldy, ldq, lds, c, c1); break;
+            case 3: tiles3(pk, nb, nbs, N, q, d, s, scale, o, ldy, ldq, lds, c, c1); break;
+            default: tiles4(pk, nb, nbs, N, q, d, s, scale, o, ldy, ldq, lds, c, c1); break;
             }
+        }
+        if (from == K) continue;
+        for (int64_t t = c; t < c1; t++) { /* the partial block: column k of row i of tile t */
+            const uint8_t *p = pk + (t * nbs + nb) * TR * QK;
+            for (int64_t i = 0; i < TR && t * TR + i < N; i++)
+                for (int64_t m = 0; m < M; m++) {
+                    float v = 0.0f;
+                    for (int64_t k = from; k < K; k++)
+                        v += (float)TILE_LOAD(p[(((k - from) / 4) * TR + i) * 4 + k % 4]) *
+                             x[m * ldx + k];
+                    y[m * ldy + t * TR + i] += scale ? v * scale[t * TR + i] : v;
+                }
         }
     }
 }
 
-/* y [M, N] = x [M, K] . (the packed matrix)^T * scale (NULL = 1); every row count: each tile is
-   read from memory once and from the cache once per 4 activation rows. */
+/* y [M, N] = x [M, K] . (the packed matrix)^T * scale (NULL = 1), for a packed matrix of
+   [>= N, ldk] (K <= ldk: its first columns, the active neurons of a down projection); every row
+   count: each tile is read from memory once and from the cache once per 4 activation rows. */
 int si_tile_linear(const float *x, int64_t M, int64_t K, const uint8_t *pk, int64_t N,
-                   const float *scale, float *y, int threads) {
-    const int64_t nb = (K + QK - 1) / QK, nt = (N + TR - 1) / TR;
+                   int64_t ldk, const float *scale, float *y, int threads) {
+    const int64_t nb = (K + QK - 1) / QK, nbs = (ldk + QK - 1) / QK, nt = (N + TR - 1) / TR;
+    if (K > ldk) return -2;
     int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * nb * QK + 63) / 64 * 64));
     float *xd = (float *)malloc((size_t)(M * nb) * sizeof(float));
     int32_t *xs = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
@@ -1124,7 +1166,7 @@ int si_tile_linear(const float *x, int64_t M, int64_t K, const uint8_t *pk, int6
     {
         int64_t t0, t1;
         share(nt, team_id(), team_size(), &t0, &t1);
-        tiles_rows(pk, nb, N, M, xq, xd, xs, nb * QK, nb, scale, y, N, t0, t1);
+        tiles_rows(pk, K, nbs, N, M, x, K, xq, xd, xs, nb * QK, nb, scale, y, N, t0, t1);
     }
     free(xq);
     free(xd);
@@ -1517,7 +1559,7 @@ typedef struct {
     const uint16_t *d; /* 4-bit rows: float16 block scales [n, k / 32] at row stride ldd */
     int64_t ldd;
     const float *bias; /* [n]; NULL: none (Qwen2's q/k/v projections have one) */
-    int64_t tiled;     /* 1: w holds int8 rows as tiles (si_tile_pack; ldw unused) */
+    int64_t tiled;     /* 1: w holds int8 rows as tiles (si_tile_pack), ldw blocks a tile */
 } si_mat;
 
 typedef struct {
@@ -1545,6 +1587,8 @@ typedef struct {
                                 neuron clears (0: every slot) */
     int64_t *kept;           /* NULL, or += neurons computed (kept) per call (token) */
     int64_t *candidates;     /* NULL, or += candidates (up row read) per call (token) */
+    int64_t tiled; /* 1: gu holds the [n_loaded * 2, H] rows as tiles and down the [H, down_ld]
+                      rows (si_tile_pack); prefix selection only */
 } si_layer;
 
 typedef struct {
@@ -1641,10 +1685,9 @@ static void gemv_rows(const si_mat *mt, const si_model *R, int64_t B, const floa
                       float *y, int64_t ldy, int t, int nt) {
     int64_t n0, n1;
     if (mt->tiled) { /* whole tiles per member; every row of the batch over each */
-        const int64_t nb = (mt->k + QK - 1) / QK;
         share((mt->n + TR - 1) / TR, t, nt, &n0, &n1);
-        tiles_rows((const uint8_t *)mt->w, nb, mt->n, B, R[0].xq, R[0].xd, R[0].xs,
-                   xq_stride(R), xd_stride(R), mt->scale, y, ldy, n0, n1);
+        tiles_rows((const uint8_t *)mt->w, mt->k, mt->ldw, mt->n, B, x, ldx, R[0].xq, R[0].xd,
+                   R[0].xs, xq_stride(R), xd_stride(R), mt->scale, y, ldy, n0, n1);
         if (mt->bias)
             for (int64_t b = 0; b < B; b++)
                 for (int64_t n = n0 * TR; n < n1 * TR && n < mt->n; n++) y[b * ldy + n] += mt->bias[n];
@@ -1844,7 +1887,8 @@ static void mlp_rows(const si_model *m, const si_model *R, const si_layer *L, fl
     barrier();
     for (int64_t b = 0; b < B; b++) quantize_part_prep(&R[b], R[b].h, H, t, nt);
     barrier();
-    si_mat gum = {L->gu, L->gu_scale, 2 * k, H, H, NULL, 0, NULL};
+    si_mat gum = {L->gu, L->gu_scale, 2 * k, H, L->tiled ? (H + QK - 1) / QK : H, NULL, 0, NULL,
+                  L->tiled};
     gemv_rows(&gum, R, B, m->h, K, m->gu, 2 * K, t, nt);
     barrier();
     /* activations and their quantization, by pairs of blocks: a member's pairs are its own */
@@ -1862,7 +1906,8 @@ static void mlp_rows(const si_model *m, const si_model *R, const si_layer *L, fl
     }
     (void)np;
     barrier();
-    si_mat dm = {L->down, NULL, H, k, L->down_ld, NULL, 0, NULL};
+    si_mat dm = {L->down, NULL, H, k, L->tiled ? (L->down_ld + QK - 1) / QK : L->down_ld, NULL, 0,
+                 NULL, L->tiled};
     gemv_rows(&dm, R, B, m->a, K, m->h, K, t, nt);
     barrier();
     mlp_residual(m, R, L, x, B, t, nt);
