@@ -910,49 +910,46 @@ int si_tile_pack(const int8_t *w, int64_t N, int64_t K, int64_t ldw, uint8_t *pk
     return 0;
 }
 
-/* Rows ids[0..n) of the packed matrix back as int8 rows out [n, K] (a tied embedding's
-   lookup). */
+/* Rows (cols 0) or columns (cols 1) ids[0..n) of the packed [N, K] matrix: read into buf (put
+   0; rows [n, K], columns as rows [n, N]) or written from it (put 1). */
+static int tile_io(uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, int64_t n, int8_t *buf,
+                   int cols, int put) {
+    const int64_t nb = (K + QK - 1) / QK, lim = cols ? K : N, len = cols ? N : K;
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= lim) return -1;
+        for (int64_t j = 0; j < len; j++) {
+            int64_t at = cols ? tile_at(nb, j, ids[i]) : tile_at(nb, ids[i], j);
+            if (put)
+                pk[at] = TILE_STORE(buf[i * len + j]);
+            else
+                buf[i * len + j] = TILE_LOAD(pk[at]);
+        }
+    }
+    return 0;
+}
+
+/* Rows back as int8 rows out [n, K] (a tied embedding's lookup). */
 int si_tile_rows(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, int64_t n,
                  int8_t *out) {
-    const int64_t nb = (K + QK - 1) / QK;
-    for (int64_t i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= N) return -1;
-        for (int64_t k = 0; k < K; k++) out[i * K + k] = TILE_LOAD(pk[tile_at(nb, ids[i], k)]);
-    }
-    return 0;
+    return tile_io((uint8_t *)pk, N, K, ids, n, out, 0, 0);
 }
 
-/* Rows ids[0..n) of the packed [N, K] matrix <- src [n, K] (a task switch's neurons). */
+/* Rows <- src [n, K] (a task switch's neurons). */
 int si_tile_put_rows(uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, int64_t n,
                      const int8_t *src) {
-    const int64_t nb = (K + QK - 1) / QK;
-    for (int64_t i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= N) return -1;
-        for (int64_t k = 0; k < K; k++) pk[tile_at(nb, ids[i], k)] = TILE_STORE(src[i * K + k]);
-    }
-    return 0;
+    return tile_io(pk, N, K, ids, n, (int8_t *)src, 0, 1);
 }
 
-/* Columns ids[0..n) of the packed [N, K] matrix as rows out [n, N]. */
+/* Columns as rows out [n, N]. */
 int si_tile_cols(const uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, int64_t n,
                  int8_t *out) {
-    const int64_t nb = (K + QK - 1) / QK;
-    for (int64_t i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= K) return -1;
-        for (int64_t r = 0; r < N; r++) out[i * N + r] = TILE_LOAD(pk[tile_at(nb, r, ids[i])]);
-    }
-    return 0;
+    return tile_io((uint8_t *)pk, N, K, ids, n, out, 1, 0);
 }
 
-/* Columns ids[0..n) of the packed [N, K] matrix <- src [n, N] (a down projection's neurons). */
+/* Columns <- src [n, N] (a down projection's neurons). */
 int si_tile_put_cols(uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, int64_t n,
                      const int8_t *src) {
-    const int64_t nb = (K + QK - 1) / QK;
-    for (int64_t i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= K) return -1;
-        for (int64_t r = 0; r < N; r++) pk[tile_at(nb, r, ids[i])] = TILE_STORE(src[i * N + r]);
-    }
-    return 0;
+    return tile_io(pk, N, K, ids, n, (int8_t *)src, 1, 1);
 }
 
 /* Tiles [t0, t1) against R activation rows (xq [R][nb * 32], xd, xs [R][nb]: blocks, scales,
