@@ -11,12 +11,12 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 # (label, file before the tiles (rows), file with the int8 weights held as tiles, threads)
-CASES = [("Gemma 3 270M", "batch-gemma3-270m-zen4-t{t}.json", "batch-gemma3-270m-zen4-tiles-t{t}.json",
-          (1, 2)),
+CASES = [("Gemma 3 270M", "batch-gemma3-270m-zen4-t{t}.json",
+          "batch-gemma3-270m-zen4-tiles-t{t}.json", (1, 2)),
          ("Llama-3.2-1B shape", "batch-llama-3.2-1b-zen4-t{t}.json",
           "batch-llama-3.2-1b-zen4-tiles-t{t}.json", (1, 2)),
-         ("Qwen2.5 1.5B", "batch-qwen2.5-1.5b-zen4-t{t}.json", "batch-qwen2.5-1.5b-zen4-tiles-t{t}.json",
-          (2,)),
+         ("Qwen2.5 1.5B", "batch-qwen2.5-1.5b-zen4-t{t}.json",
+          "batch-qwen2.5-1.5b-zen4-tiles-t{t}.json", (2,)),
          ("Gemma, avx2 path", "batch-gemma3-270m-zen4-avx2-t{t}.json",
           "batch-gemma3-270m-zen4-avx2-tiles-t{t}.json", (2,))]
 
@@ -49,8 +49,8 @@ def main() -> None:
     ax.axhline(3.0, color="gray", lw=0.6, ls="--")
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_ylabel("decode tok/s together over one goal alone")
-    ax.set_title("int8, gamma = phi = 1: goals decoded in one pass over the weights, weights as rows "
-                 "and as tiles (AMD EPYC Zen 4)", fontsize=9)
+    ax.set_title("int8, gamma = phi = 1: goals decoded in one pass over the weights, weights "
+                 "as rows and as tiles (AMD EPYC Zen 4)", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(HERE / "batch-zen4.png", dpi=110)

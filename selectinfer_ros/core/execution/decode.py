@@ -463,9 +463,9 @@ class NativeInt8Step:
                                                 w.stride(0), lin.scale.data_ptr(), lin.scale.stride(0),
                                                 bias))
                 elif lin.tiled:  # int8 rows as tiles (uint8 [si_tile_bytes]), blocks a tile
-                    setattr(c, name, native.Mat(w.data_ptr(), lin.scale.data_ptr(), lin.out_features,
-                                                lin.in_features, -(-lin.in_features // 32), None,
-                                                0, bias, 1))
+                    setattr(c, name, native.Mat(w.data_ptr(), lin.scale.data_ptr(),
+                                                lin.out_features, lin.in_features,
+                                                -(-lin.in_features // 32), None, 0, bias, 1))
                 else:
                     setattr(c, name, native.Mat(w.data_ptr(), lin.scale.data_ptr(), w.shape[0],
                                                 w.shape[1], w.stride(0), None, 0, bias))

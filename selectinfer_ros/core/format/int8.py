@@ -79,7 +79,8 @@ def tiles_of(q: torch.Tensor) -> torch.Tensor | None:
         return None
     N, K = q.shape
     tiles = empty_tiles(N, K)
-    kernel().si_tile_pack(q.data_ptr(), N, K, q.stride(0), tiles.data_ptr(), torch.get_num_threads())
+    kernel().si_tile_pack(q.data_ptr(), N, K, q.stride(0), tiles.data_ptr(),
+                          torch.get_num_threads())
     return tiles
 
 
@@ -108,10 +109,11 @@ def tile_linear(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor | None
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()
     y = torch.zeros(x2.shape[0], N, dtype=torch.float32)
-    if K and x2.shape[0] and kernel().si_tile_linear(x2.data_ptr(), x2.shape[0], K, tiles.data_ptr(), N,
-                               K if ldk is None else ldk,
-                               scale.data_ptr() if scale is not None else None, y.data_ptr(),
-                               torch.get_num_threads()) != 0:
+    lib = kernel()
+    if K and x2.shape[0] and lib.si_tile_linear(
+            x2.data_ptr(), x2.shape[0], K, tiles.data_ptr(), N, K if ldk is None else ldk,
+            scale.data_ptr() if scale is not None else None, y.data_ptr(),
+            torch.get_num_threads()) != 0:
         raise MemoryError("int8 kernel: out of memory for the quantized activations")
     y = y.view(*x.shape[:-1], N)
     return y if x.dtype == torch.float32 else y.to(x.dtype)

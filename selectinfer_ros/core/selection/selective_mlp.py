@@ -53,6 +53,11 @@ def copy_index(dst: torch.Tensor, dim: int, idx: torch.Tensor, src: torch.Tensor
         d[:, idx.numpy()] = s[:, src_idx.numpy()]
 
 
+def _gate_up_rows(slots: torch.Tensor) -> torch.Tensor:
+    """The rows of slots' gate and up rows in ``gu`` viewed as ``[2k, H]``: 2i, 2i + 1."""
+    return torch.stack([2 * slots, 2 * slots + 1], 1).flatten()
+
+
 @dataclass
 class Slots:
     """Storage of ``k`` neuron slots: ``gu`` ``[k, 2, H]``, ``down`` ``[H, k]`` (float, or int8 with
@@ -109,14 +114,15 @@ class Slots:
             down = self.down.t() if self.token_layout else self.down
             return gu[ids], down[:, ids]
         H, k = self.hidden, self.k
-        gu = int8.tile_io("rows", self.gu, 2 * k, H, torch.stack([2 * ids, 2 * ids + 1], 1).flatten())
+        gu = int8.tile_io("rows", self.gu, 2 * k, H, _gate_up_rows(ids))
         return gu.view(-1, 2, H), int8.tile_io("cols", self.down, H, k, ids).t()
 
     def _put_tiles(self, dst: torch.Tensor, gu: torch.Tensor, down: torch.Tensor) -> None:
-        """Tiled slots ``dst`` take rows ``gu`` ``[n, 2, H]`` and down columns ``down`` ``[n, H]``."""
+        """Tiled slots ``dst`` take rows ``gu`` ``[n, 2, H]`` and down columns ``down``
+        ``[n, H]``."""
         dst = dst.cpu()
         H, k = self.hidden, self.k
-        int8.tile_io("put_rows", self.gu, 2 * k, H, torch.stack([2 * dst, 2 * dst + 1], 1).flatten(),
+        int8.tile_io("put_rows", self.gu, 2 * k, H, _gate_up_rows(dst),
                      gu.to(torch.int8).reshape(-1, H))
         int8.tile_io("put_cols", self.down, H, k, dst, down.to(torch.int8))
 
@@ -223,8 +229,8 @@ class SelectiveMLP(nn.Module):
 
     @property
     def slots(self) -> Slots:
-        return Slots(self.gu, self.down, self.gu_scale, self.down_scale, self.rec, self.token_layout,
-                     self.tiled, self.hidden)
+        return Slots(self.gu, self.down, self.gu_scale, self.down_scale, self.rec,
+                     self.token_layout, self.tiled, self.hidden)
 
     @property
     def n_loaded(self) -> int:

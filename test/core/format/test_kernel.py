@@ -39,14 +39,32 @@ def _linear(k: kernel.Kernel, x: torch.Tensor, q: torch.Tensor, scale: torch.Ten
 
 def _tile_linear(k: kernel.Kernel, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                  threads: int) -> torch.Tensor:
-    """The rows packed as tiles by this library, their product, and every row read back."""
+    """The rows packed as tiles by this library, their product; every row and column read back,
+    and rows and columns written anew read back (partial quads and tiles included)."""
     N, K = q.shape
     tiles = torch.empty(k.lib.si_tile_bytes(N, K), dtype=torch.uint8)
     assert k.lib.si_tile_pack(q.data_ptr(), N, K, q.stride(0), tiles.data_ptr(), threads) == 0
-    ids = torch.arange(N)
-    back = torch.empty(N, K, dtype=torch.int8)
-    assert k.lib.si_tile_rows(tiles.data_ptr(), N, K, ids.data_ptr(), N, back.data_ptr()) == 0
-    assert torch.equal(back, q)
+
+    def io(name: str, ids: torch.Tensor, rows: torch.Tensor) -> int:
+        return getattr(k.lib, f"si_tile_{name}")(tiles.data_ptr(), N, K, ids.data_ptr(),
+                                                 ids.numel(), rows.data_ptr())
+
+    rows, cols = torch.arange(N), torch.arange(K)
+    back, back_t = torch.empty(N, K, dtype=torch.int8), torch.empty(K, N, dtype=torch.int8)
+    assert io("rows", rows, back) == 0 and torch.equal(back, q)
+    assert io("cols", cols, back_t) == 0 and torch.equal(back_t, q.t())
+    g = torch.Generator().manual_seed(N * K)
+    some_rows = torch.randperm(N, generator=g)[: N // 2 + 1]
+    some_cols = torch.randperm(K, generator=g)[:3]
+    new = torch.randint(-127, 128, (some_rows.numel(), K), dtype=torch.int8, generator=g)
+    new_t = torch.randint(-127, 128, (3, N), dtype=torch.int8, generator=g)
+    assert io("put_rows", some_rows, new) == 0 and io("put_cols", some_cols, new_t) == 0
+    want = q.clone()
+    want[some_rows] = new
+    want[:, some_cols] = new_t.t()
+    assert io("rows", rows, back) == 0 and torch.equal(back, want)
+    assert io("put_rows", rows, q.contiguous()) == 0  # as packed again
+    assert io("rows", torch.tensor([N]), back) == -1 and io("cols", torch.tensor([K]), back_t) == -1
     y = torch.empty(x.shape[0], N)
     assert k.lib.si_tile_linear(x.data_ptr(), x.shape[0], K, tiles.data_ptr(), N, K,
                                 scale.data_ptr(), y.data_ptr(), threads) == 0
@@ -264,7 +282,8 @@ def check_harness_products(got: dict, plain: dict, isa: str) -> None:
     # neurons active: a partial block): the steps with rows, to the last bit of a float sum
     # moving an int8 activation by one step
     assert len(got["decodetl"]) == len(got["decode"]) == 6
-    rel = torch.stack([(a - b).abs().max() / b.std() for a, b in zip(got["decodetl"], got["decode"])])
+    rel = torch.stack([(a - b).abs().max() / b.std()
+                       for a, b in zip(got["decodetl"], got["decode"])])
     assert float(rel.median()) < 1e-3 and float(rel.max()) < 0.05, (isa, rel)
 
 

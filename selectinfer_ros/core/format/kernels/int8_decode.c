@@ -911,18 +911,56 @@ int si_tile_pack(const int8_t *w, int64_t N, int64_t K, int64_t ldw, uint8_t *pk
 }
 
 /* Rows (cols 0) or columns (cols 1) ids[0..n) of the packed [N, K] matrix: read into buf (put
-   0; rows [n, K], columns as rows [n, N]) or written from it (put 1). */
+   0; rows [n, K], columns as rows [n, N]) or written from it (put 1). A row is four bytes a
+   quad (one word; VNNI's +128 is the top bit of each byte), a column one byte in each 4. */
 static int tile_io(uint8_t *pk, int64_t N, int64_t K, const int64_t *ids, int64_t n, int8_t *buf,
                    int cols, int put) {
-    const int64_t nb = (K + QK - 1) / QK, lim = cols ? K : N, len = cols ? N : K;
-    for (int64_t i = 0; i < n; i++) {
+    const int64_t nb = (K + QK - 1) / QK, tile = nb * TR * QK, lim = cols ? K : N;
+#ifdef TILE_U8
+    const uint32_t flip = 0x80808080u;
+#else
+    const uint32_t flip = 0;
+#endif
+    for (int64_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= lim) return -1;
-        for (int64_t j = 0; j < len; j++) {
-            int64_t at = cols ? tile_at(nb, j, ids[i]) : tile_at(nb, ids[i], j);
-            if (put)
-                pk[at] = TILE_STORE(buf[i * len + j]);
-            else
-                buf[i * len + j] = TILE_LOAD(pk[at]);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t id = ids[i];
+        if (!cols) { /* row id: quad q of block b at ((b * 8 + q) * TR + lane) * 4 in its tile */
+            uint8_t *p = pk + id / TR * tile + id % TR * 4;
+            int8_t *r = buf + i * K;
+            for (int64_t k = 0; k < K; k += 4, p += TR * 4) {
+                uint32_t w;
+                if (k + 4 <= K) {
+                    if (put) {
+                        memcpy(&w, r + k, 4);
+                        w ^= flip;
+                        memcpy(p, &w, 4);
+                    } else {
+                        memcpy(&w, p, 4);
+                        w ^= flip;
+                        memcpy(r + k, &w, 4);
+                    }
+                } else {
+                    for (int64_t j = 0; k + j < K; j++) {
+                        if (put)
+                            p[j] = TILE_STORE(r[k + j]);
+                        else
+                            r[k + j] = TILE_LOAD(p[j]);
+                    }
+                }
+            }
+        } else { /* column id: byte id % 4 of quad id / 4 in every row of every tile */
+            int8_t *c = buf + i * N;
+            uint8_t *p = pk + id / 4 * TR * 4 + id % 4;
+            for (int64_t row = 0; row < N; row += TR, p += tile) {
+                const int64_t lanes = N - row < TR ? N - row : TR;
+                for (int64_t l = 0; l < lanes; l++) {
+                    if (put)
+                        p[l * 4] = TILE_STORE(c[row + l]);
+                    else
+                        c[row + l] = TILE_LOAD(p[l * 4]);
+                }
+            }
         }
     }
     return 0;
@@ -1687,7 +1725,8 @@ static void gemv_rows(const si_mat *mt, const si_model *R, int64_t B, const floa
                    R[0].xs, xq_stride(R), xd_stride(R), mt->scale, y, ldy, n0, n1);
         if (mt->bias)
             for (int64_t b = 0; b < B; b++)
-                for (int64_t n = n0 * TR; n < n1 * TR && n < mt->n; n++) y[b * ldy + n] += mt->bias[n];
+                for (int64_t n = n0 * TR; n < n1 * TR && n < mt->n; n++)
+                    y[b * ldy + n] += mt->bias[n];
         return;
     }
     share(mt->n, t, nt, &n0, &n1);
