@@ -8,6 +8,9 @@
 
    The activations are quantized per block of 32 values to int8 with their own float scale
    (llama.cpp's Q8_0 layout), then every weight row is read once for all M activation rows.
+   Where the path gains from it (si_tile_pays), the loader holds the int8 matrices of a decode
+   step (output layer, attention projections, prompt-mode neuron slots) as tiles of 16
+   interleaved rows instead (si_tile_pack, si_tile_linear; si_mat.tiled, si_layer.tiled).
 
    The instruction set is chosen at compile time from the compiler's macros (the Python side
    passes the flags for what /proc/cpuinfo lists; si_isa() names the path compiled in):
