@@ -108,7 +108,8 @@ def tile_linear(x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor | None
     x2 = x.reshape(-1, K)
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()
-    y = torch.zeros(x2.shape[0], N, dtype=torch.float32)
+    # the kernel writes every output; with no columns the product is zero
+    y = (torch.empty if K else torch.zeros)(x2.shape[0], N, dtype=torch.float32)
     lib = kernel()
     if K and x2.shape[0] and lib.si_tile_linear(
             x2.data_ptr(), x2.shape[0], K, tiles.data_ptr(), N, K if ldk is None else ldk,

@@ -102,8 +102,9 @@ class Slots:
     @property
     def k(self) -> int:
         """Slots held."""
-        return self.rec.shape[0] if self.rec is not None else self.down_scale.shape[0] \
-            if self.down_scale is not None else self.gu.shape[0]
+        if self.rec is not None:
+            return self.rec.shape[0]
+        return self.down_scale.shape[0] if self.quantized else self.gu.shape[0]  # tiles: bytes
 
     def unpacked(self, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """int8 slots as rows whatever their storage: ``gu`` ``[n, 2, H]``, ``down`` ``[H, n]``
