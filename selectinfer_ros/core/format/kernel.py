@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_decode.c"
-ABI_VERSION = 13
+ABI_VERSION = 14
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
 # (name, cpuinfo flags it needs, compiler flags), best first, per machine
@@ -94,18 +94,21 @@ class ModelC(ctypes.Structure):
                                                   "cand")]  # int64 [teams]
                 # rows of a batch the scratch holds (row strides: see scratch_sizes)
                 + [("batch", ctypes.c_int64),
-                   ("prep", ctypes.c_void_p)])  # uint8: activations prepared (see scratch_sizes)
+                   ("prep", ctypes.c_void_p),  # uint8: activations prepared (see scratch_sizes)
+                   ("part", ctypes.c_void_p)])  # 4-bit records' partial down sums per thread
 
 
 def scratch_sizes(max_k: int, teams: int, cap: int, batch: int) -> dict[str, int]:
     """Elements of each scratch buffer of :class:`ModelC` for ``batch`` rows (si_model's row
     strides: h, q, att, a ``max_k``; kv, gu ``2 max_k``; xq ``max_k + 32`` bytes; xd, xs
-    ``max_k / 32 + 2``; prep ``(max_k / 64 + 2) * 128`` bytes: C's prep_bytes)."""
+    ``max_k / 32 + 2``; prep ``(max_k / 64 + 2) * 128`` bytes: C's prep_bytes; part ``teams *
+    max_k``)."""
     nb = max_k // 32 + 2
     return dict(h=batch * max_k, q=batch * max_k, kv=batch * 2 * max_k, att=batch * max_k,
                 scores=teams * cap, gu=batch * 2 * max_k, a=batch * max_k,
                 xq=batch * (max_k + 32), xd=batch * nb, xs=batch * nb, idx=2 * max_k,
-                cnt=teams + 1, cand=teams, prep=batch * (max_k // 64 + 2) * 128)
+                cnt=teams + 1, cand=teams, prep=batch * (max_k // 64 + 2) * 128,
+                part=batch * teams * max_k)
 
 
 STRUCT_SIZES = (ctypes.sizeof(Mat), ctypes.sizeof(LayerC), ctypes.sizeof(ModelC))

@@ -166,6 +166,7 @@ int main(int argc, char **argv) {
     m.idx = calloc(2 * m.max_k, sizeof(int32_t));
     m.cnt = calloc(teams + 1, sizeof(int64_t));
     m.cand = calloc(teams, sizeof(int64_t));
+    m.part = calloc(teams * m.max_k, sizeof(float));
     si_layer layers[2];
     memset(layers, 0, sizeof layers); /* rec NULL: int8 slots first */
     float *cos = frand(cap * hd, -1.0f, 1.0f), *sin = frand(cap * hd, -1.0f, 1.0f);
@@ -341,6 +342,7 @@ int main(int argc, char **argv) {
     mb.xq = calloc(B * (mb.max_k + QK), 1);
     mb.xd = calloc(B * (mb.max_k / QK + 2), sizeof(float));
     mb.xs = calloc(B * (mb.max_k / QK + 2), sizeof(int32_t));
+    mb.part = calloc(B * teams * mb.max_k, sizeof(float));
     for (int l = 0; l < L; l++) {
         layers[l].k_cache = calloc(B * slot, sizeof(float));
         layers[l].v_cache = calloc(B * slot, sizeof(float));
