@@ -97,13 +97,18 @@ def bytes_per_decode_token(model: nn.Module, selective: SelectiveModel | None,
     return total
 
 
-def memory_bandwidth(threads: int, nbytes: int = 512 << 20) -> float:
-    """Measured read bandwidth (bytes/s): median of summing a large float32 tensor."""
-    x = torch.ones(nbytes // 4)
+def memory_bandwidth(threads: int, device: str = "cpu", nbytes: int = 512 << 20) -> float:
+    """Measured read bandwidth (bytes/s) of the memory the weights are in: median of summing a
+    large float32 tensor there (on CUDA the device's memory, the sums synchronized)."""
+    dev = torch.device(device)
+    x = torch.ones(nbytes // 4, device=dev)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     times = []
     for _ in range(7):
+        sync()
         t0 = time.perf_counter()
         x.sum()
+        sync()
         times.append(time.perf_counter() - t0)
     return nbytes / statistics.median(times[2:])
 
@@ -308,7 +313,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         if sm is not None and sm.state.per_token:
             s.bytes_per_token = bytes_per_decode_token(s.model, sm, s.token_counts)
             s.token_shares = sm.read_shares(until=s.token_counts)
-    bw = memory_bandwidth(threads)
+    bw = memory_bandwidth(threads, args.device)
     dense = subjects[0]
     rows = [row_of(s, dense, manifest.model_id, bw, args, threads) for s in subjects]
     rows += [p.row(manifest.model_id, rows[0]["decode_tokens_per_second"], dense.weight_bytes, bw,
