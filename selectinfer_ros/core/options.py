@@ -213,10 +213,11 @@ class NodeSettings(ModelOptions):
     max_goal_seconds: float = param(600.0, "a running goal is ended after this many seconds "
                                     "(aborted, GENERATION_FAILED, with the text so far)", lo=1.0,
                                     hi=86400.0, runtime=True)
-    client_timeout: float = param(2.0, "a running goal whose client stopped acknowledging the "
-                                  "action's messages this many seconds (killed, frozen) is "
-                                  "aborted when another goal waits; one whose client left the "
-                                  "graph is aborted always", lo=0.5, hi=60.0, runtime=True)
+    client_timeout: float = param(2.0, "a goal running alone whose client stopped acknowledging "
+                                  "the action's messages this many seconds (killed, frozen) is "
+                                  "aborted when another goal waits (goals decoding together are "
+                                  "not: whose client froze is unknown); one whose client left "
+                                  "the graph is aborted always", lo=0.5, hi=60.0, runtime=True)
     prompt_special_tokens: bool = param(False, "control tokens typed in a prompt (<eos>, "
                                         "<end_of_turn>, ...) are read as control tokens; false: "
                                         "as plain text (the chat template still inserts its "

@@ -381,7 +381,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
     def _watch(self) -> None:
         """Watcher thread: every WATCH_PERIOD, end the running goal when it ran past
         ``max_goal_seconds``, when every action client present when it came has left the graph,
-        or (while another goal waits) when a reader that acknowledged the node's messages during
+        or (a goal running alone while another waits) when a reader that acknowledged the node's messages during
         this goal stopped doing so for ``client_timeout`` seconds (its client was killed or
         froze: DDS would keep it matched ~20 s)."""
         while not self._watching.wait(WATCH_PERIOD):
@@ -397,12 +397,16 @@ class InferenceNode(LifecycleNodeMixin, Node):
         self._probe.publish(Generate.Impl.FeedbackMessage())  # also while idle: a baseline
         if self._probe.wait_for_all_acked(Duration(seconds=min(1.0, s.client_timeout / 2))):
             self._acked_at = time.monotonic()
-        for job in self.server.running_jobs:
+        running = self.server.running_jobs
+        for job in running:
             if job.started_at is not None:
-                self._check_job(job, s)
+                self._check_job(job, s, alone=len(running) == 1)
 
-    def _check_job(self, job: GoalJob, s) -> None:
-        """End a running goal that ran too long or whose client is gone or frozen."""
+    def _check_job(self, job: GoalJob, s, alone: bool = True) -> None:
+        """End a running goal that ran too long or whose client is gone or frozen. A silent
+        reader says nothing of whose client froze: with several goals decoding together
+        (``alone`` false) the silence ends none of them (it would end the others' goals too);
+        the waiting goals take the slot of the first to end."""
         with self._lock:
             g = next((x for x in self._goals.values() if x.job is job), None)
         now = time.monotonic()
@@ -417,8 +421,8 @@ class InferenceNode(LifecycleNodeMixin, Node):
         # acknowledged until shortly before this goal started (a reader dead since earlier is
         # not this goal's client), then silent for client_timeout while others wait
         silent = now - self._acked_at
-        if (self._acked_at > job.started_at - 2 * WATCH_PERIOD and silent >= s.client_timeout
-                and self.server.waiting > 0):
+        if (alone and self._acked_at > job.started_at - 2 * WATCH_PERIOD
+                and silent >= s.client_timeout and self.server.waiting > 0):
             self._end(job, CANCELED, f"its client stopped taking results (no acknowledgment for "
                                      f"{silent:.1f} s, client_timeout {s.client_timeout:g} s) "
                                      f"and {self.server.waiting} goal(s) wait")

@@ -202,6 +202,44 @@ def test_a_killed_client_goal_ends_and_the_next_caller_is_served(llm_graph, embe
             victim.wait(10)
 
 
+def test_a_killed_client_in_a_full_batch_ends_no_other_callers_goal(llm_graph, embedded_ready):
+    """max_batch 2: a client SIGKILLed during its 1000-token goal while another caller's long
+    goal decodes beside it and a third caller waits. Silence on the feedback topic does not say
+    whose client froze, so the other running goal is not ended for it (it was, with the dead
+    one); the waiting goal is served when a slot frees."""
+    _, tasks = embedded_ready
+    g = llm_graph(model='', profiles='', task=tasks[0], load_ratio=0.9, compute_ratio=0.9,
+                  max_new_tokens_limit=1000, client_timeout=2.0,
+                  max_batch=2).ready(timeout=180.0)
+    victim = subprocess.Popen([sys.executable, '-c', VICTIM, g.namespace], env=_env(), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = Lines(victim)
+    other = None
+    try:
+        assert _wait_until(lambda: len(out.lines) >= 8, 120.0), ''.join(out.lines)
+        other = g.send(g.goal('1, 2, 3, 4, 5, 6, 7, 8,', max_new_tokens=1000))
+        assert other.accepted and other.wait_feedback(2, 60.0)  # decoding beside the victim's
+        victim.kill()
+        victim.wait(10)
+        waiting = g.send(g.goal('The capital of France is', max_new_tokens=4))
+        assert waiting.accepted
+        waiting.wait(240.0)  # served once the victim's goal (1000 tokens) or the other ends
+        assert waiting.status == GoalStatus.STATUS_SUCCEEDED
+        if other.result_future.done():
+            other.wait(10.0)
+        assert other.status is None or other.status == GoalStatus.STATUS_SUCCEEDED, \
+            (other.status, other.result and other.result.error_msg)
+        if other.status is None:  # still decoding: its caller ends it
+            other.cancel()
+            other.wait(60.0)
+            assert other.status == GoalStatus.STATUS_CANCELED
+            assert 'stopped taking results' not in other.result.error_msg
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait(10)
+
+
 def test_every_runtime_parameter_refuses_extreme_values_and_unknown_names(llm_graph):
     """Each runtime parameter set to NaN, +-inf, 0, 1e-300, 1e300 and 2**62: refused with its
     range (or applied, when in range), never an internal error; diagnostics keep their period;
