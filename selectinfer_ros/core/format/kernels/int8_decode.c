@@ -1391,13 +1391,15 @@ int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const u
 
 /* The columns are short streams (H / 2 bytes, a record apart), too short for the hardware
    prefetchers to follow from memory: while a group is read at block b, the next group's
-   nibbles (a cache line per four blocks) and scales (a line per 32 blocks) at b are fetched. */
+   nibbles (a cache line per four blocks) and scales (a line per 32 blocks) at b are fetched,
+   into L2 (Qwen2.5 1.5B, per-token selection at 0.5, one thread, Zen 4: decode 0.80x of all
+   neurons, into L1 0.72x). */
 static inline void prefetch_column(const uint8_t *w, const uint16_t *d, int64_t ldw, int64_t ldd,
                                    const int32_t *idx, int64_t n, int64_t k, int64_t b) {
     if (n >= k) return;
     int64_t r = idx ? idx[n] : n;
-    if ((b & 3) == 0) __builtin_prefetch(w + r * ldw + b * 16);
-    if ((b & 31) == 0) __builtin_prefetch(d + r * ldd + b);
+    if ((b & 3) == 0) __builtin_prefetch(w + r * ldw + b * 16, 0, 2);
+    if ((b & 31) == 0) __builtin_prefetch(d + r * ldd + b, 0, 2);
 }
 
 /* The coefficients of neurons [g0, g0 + G) of the list for blocks [bc, bc + nbc): cq [G, DB]
@@ -2222,11 +2224,12 @@ static void mlp_step_q4_token(const si_model *m, const si_layer *L, float *x, in
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *r = L->rec + n * R;
         const uint16_t *d = (const uint16_t *)(r + 3 * H / 2);
-        if (n + 2 < n1) { /* the next-but-one record's gate and its scales (its up row is
-                             read only if it is a candidate) */
-            const uint8_t *ahead = r + 2 * R;
-            for (int64_t o = 0; o < H / 2; o += 64) __builtin_prefetch(ahead + o);
-            for (int64_t o = 0; o < H / 16; o += 64) __builtin_prefetch(ahead + 3 * H / 2 + o);
+        if (n + PF_RECORDS < n1) { /* a record's gate and up rows and their scales a few
+                                      ahead, into L2 (see PF_RECORDS; most records are
+                                      candidates, whose up row is read) */
+            const uint8_t *ahead = r + PF_RECORDS * R;
+            for (int64_t o = 0; o < H; o += 64) __builtin_prefetch(ahead + o, 0, 2);
+            for (int64_t o = 0; o < H / 8; o += 64) __builtin_prefetch(ahead + 3 * H / 2 + o, 0, 2);
         }
         float g, u;
         q4_row(r, d, nb, m->xq, m->xd, m->xs, &g);
