@@ -94,6 +94,15 @@ class GenerationResult:
 PROMPT_SLOT = "\x00selectinfer-prompt\x00"  # where the prompt goes in a rendered chat template
 
 
+def greedy_token(logits: torch.Tensor) -> int:
+    """The index of the largest logit ``[V]`` (the first of equal ones, as torch.argmax). A CPU
+    float32 vector goes through numpy: torch.argmax took 0.40 ms over Gemma 3's 262144 logits,
+    numpy 0.03 ms (Zen 4, 2 threads), a quarter of what three more goals add to a batched step."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1:
+        return int(logits.numpy().argmax())
+    return int(torch.argmax(logits))
+
+
 def encode(tok, prompt: str, use_chat_template: bool = False,
            special_tokens: bool = False) -> list[int]:
     """Token ids of ``prompt`` (as a user turn of the chat template, if asked). Control tokens
@@ -632,7 +641,7 @@ class Engine:
             logits[history] = torch.where(seen > 0, seen / config.repetition_penalty,
                                           seen * config.repetition_penalty)
         if config.temperature < GREEDY_BELOW:
-            return int(torch.argmax(logits))
+            return greedy_token(logits)
         logits = logits / config.temperature
         if config.top_k > 0:
             kth = torch.topk(logits, min(config.top_k, logits.numel())).values[-1]
@@ -681,7 +690,7 @@ class Stream:
         c = self.constraint
         if c is not None:
             c.mask_logits(logits)
-        tok = (int(torch.argmax(logits)) if self.greedy
+        tok = (greedy_token(logits) if self.greedy
                else Engine._sample(logits, self.config, self.history, self.gen))
         if c is not None and tok not in self.eos_ids:
             c.advance(tok)

@@ -171,3 +171,18 @@ def test_cancel_inside_a_long_prefill(engine):
                           cancel=lambda: polls.append(1) or len(polls) > 2)
     assert res.finish_reason == "canceled" and res.token_ids == [] and len(polls) == 3
     assert engine.generate(PROMPT, GenerationConfig(max_new_tokens=3)).token_ids  # still serves
+
+
+def test_greedy_token_is_torch_argmax_on_every_layout():
+    """The greedy pick (numpy for a CPU float32 vector) equals torch.argmax: the first of equal
+    maxima, a NaN, all -inf, a strided view, a row of a batch's logits, other dtypes."""
+    from selectinfer_ros.core.execution.engine import greedy_token
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randn(4, 1000, generator=g)
+    cases = [torch.tensor([1.0, 3.0, 3.0, 2.0]), torch.tensor([1.0, float("nan"), 5.0]),
+             torch.full((7,), float("-inf")), batch[:, 3], batch[2], batch[1, ::3],
+             batch[0].to(torch.bfloat16), batch[0].double()]
+    with torch.inference_mode():
+        cases.append(torch.randn(262144, generator=g))
+    for x in cases:
+        assert greedy_token(x) == int(torch.argmax(x)), x

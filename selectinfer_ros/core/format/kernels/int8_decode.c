@@ -1826,12 +1826,34 @@ static void rope(float *x, const float *cos, const float *sin, int64_t hd) {
     }
 }
 
+/* e^x in float32, x clamped to [-87, 88]: x = k ln 2 + r (k rounded by the 1.5 * 2^23 trick,
+   ln 2 in two parts), e^r by its Taylor polynomial of degree 6 on |r| <= ln 2 / 2 (truncation
+   below 1.2e-7 relative), 2^k put into the exponent bits: within 2 ulp of expf, and plain
+   arithmetic, so a loop over neurons vectorizes (libm's expf and tanhf do not). */
+static inline float exp_fast(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float round = 12582912.0f; /* 1.5 * 2^23 */
+    float kf = (x * 1.4426950408889634f + round) - round;
+    float r = (x - kf * 0.693145751953125f) - kf * 1.4286068203094172e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { int32_t i; float f; } two = {.i = ((int32_t)kf + 127) << 23};
+    return p * two.f;
+}
+
+/* The MLP's activation of a gate value: SiLU g * sigmoid(g), or GELU (tanh form)
+   0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3), which is g * sigmoid(2 y). Both as
+   g / (1 + e^-z) with exp_fast: Gemma 3 270M's GELU cost 0.75 ms of a 12 ms decode token on one
+   thread through tanhf (20 ns a call, 36864 a token), a quarter of the time a second, third and
+   fourth row add to a batched step. */
 static inline float act(float g, int kind) {
-    if (kind == 1) {
-        const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
-        return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
-    }
-    return g / (1.0f + expf(-g));
+    float z = kind == 1 ? 1.5957691216057308f * (g + 0.044715f * g * g * g) : g;
+    return g / (1.0f + exp_fast(-z));
 }
 
 /* sum a[i] * b[i] in 16 independent partial sums (the compiler keeps them in vector lanes; one
@@ -1862,7 +1884,7 @@ static void attend(const si_model *m, const si_layer *L, int64_t off, int64_t j,
         mx = s[t] > mx ? s[t] : mx;
     }
     for (int64_t t = 0; t < S; t++) {
-        s[t] = expf(s[t] - mx);
+        s[t] = exp_fast(s[t] - mx);
         sum += s[t];
     }
     float *out = m->att + j * hd;
