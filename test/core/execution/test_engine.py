@@ -186,3 +186,36 @@ def test_greedy_token_is_torch_argmax_on_every_layout():
         cases.append(torch.randn(262144, generator=g))
     for x in cases:
         assert greedy_token(x) == int(torch.argmax(x)), x
+
+
+def test_sampling_draws_each_token_at_its_probability():
+    """Temperature, top-k and top-p (a token stays while the mass before it is at most p) on 8
+    logits: 20000 seeded draws land only on the kept tokens, each at its renormalized
+    probability (within 0.015); the 262144-logit path (candidates only) keeps the same tokens."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, 3.0, -1.0])
+
+    def expected(t, k, p):
+        z = logits / t
+        keep = torch.ones(8, dtype=torch.bool)
+        if k:
+            keep &= z >= torch.topk(z, k).values[-1]
+        probs = torch.softmax(z.masked_fill(~keep, float("-inf")), 0)
+        sp, si = torch.sort(probs, descending=True)
+        sp[torch.cumsum(sp, 0) - sp > p] = 0
+        out = torch.zeros(8).scatter_(0, si, sp)
+        return out / out.sum()
+
+    for t, k, p in ((1.0, 0, 1.0), (0.7, 3, 1.0), (1.0, 0, 0.6), (1.3, 5, 0.8)):
+        cfg = GenerationConfig(temperature=t, top_k=k, top_p=p)
+        gen = torch.Generator().manual_seed(1)
+        counts = torch.bincount(torch.tensor([Engine._sample(logits.clone(), cfg, None, gen)
+                                              for _ in range(20000)]), minlength=8)
+        want = expected(t, k, p)
+        assert torch.equal(counts > 0, want > 0), (t, k, p, counts, want)
+        assert (counts / 20000 - want).abs().max() < 0.015, (t, k, p, counts / 20000, want)
+    big = torch.randn(262144, generator=torch.Generator().manual_seed(2))
+    big[[5, 70000, 262143]] += torch.tensor([14.0, 13.5, 13.0])  # three tokens hold 0.908
+    cfg = GenerationConfig(temperature=1.0, top_p=0.9)
+    gen = torch.Generator().manual_seed(3)
+    drawn = {Engine._sample(big.clone(), cfg, None, gen) for _ in range(300)}
+    assert drawn == {5, 70000, 262143}  # softmax: 0.824, 0.054, 0.030 (before the third: 0.878)
