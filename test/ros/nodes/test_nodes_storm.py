@@ -2,6 +2,7 @@
 once (switches, reloads, lifecycle transitions, a 100-goal burst), each request answered
 (accepted, done, or refused with a reason), the node serving afterwards and stopping on Ctrl-C;
 a client killed mid-goal does not keep the model busy."""
+import contextlib
 import signal
 import subprocess
 import sys
@@ -168,21 +169,34 @@ rclpy.spin(node)
 '''
 
 
-def test_a_killed_client_goal_ends_and_the_next_caller_is_served(llm_graph, embedded_ready):
-    """A client SIGKILLed about a second into a 1000-token goal (DDS keeps its reader matched
-    ~20 s): the node ends that goal once the client stops acknowledging, and the next caller's
-    first token comes within seconds (the issue measures 5 s; 49-52 s before)."""
+@contextlib.contextmanager
+def _victim_streaming(llm_graph, embedded_ready, max_batch):
+    """The embedded model's node (client_timeout 2 s, ``max_batch``) and a client process whose
+    1000-token goal has streamed 8 tokens: yields (graph, process); the process is killed on
+    exit if it still runs."""
     _, tasks = embedded_ready
-    # max_batch 1: the next caller waits behind the dead client's goal (in a batch it joins at
-    # once, and the dead goal keeps its slot until its client leaves the graph)
     g = llm_graph(model='', profiles='', task=tasks[0], load_ratio=0.9, compute_ratio=0.9,
                   max_new_tokens_limit=1000, client_timeout=2.0,
-                  max_batch=1).ready(timeout=180.0)
+                  max_batch=max_batch).ready(timeout=180.0)
     victim = subprocess.Popen([sys.executable, '-c', VICTIM, g.namespace], env=_env(), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = Lines(victim)
     try:
         assert _wait_until(lambda: len(out.lines) >= 8, 120.0), ''.join(out.lines)
+        yield g, victim
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait(10)
+
+
+def test_a_killed_client_goal_ends_and_the_next_caller_is_served(llm_graph, embedded_ready):
+    """A client SIGKILLed about a second into a 1000-token goal (DDS keeps its reader matched
+    ~20 s): the node ends that goal once the client stops acknowledging, and the next caller's
+    first token comes within seconds (the issue measures 5 s; 49-52 s before)."""
+    # max_batch 1: the next caller waits behind the dead client's goal (in a batch it joins at
+    # once, and the dead goal keeps its slot)
+    with _victim_streaming(llm_graph, embedded_ready, max_batch=1) as (g, victim):
         aborted = g.node.runtime.stats.aborted
         victim.kill()
         t_kill = time.monotonic()
@@ -196,10 +210,6 @@ def test_a_killed_client_goal_ends_and_the_next_caller_is_served(llm_graph, embe
         run.wait(60.0)
         assert run.status == GoalStatus.STATUS_SUCCEEDED
         assert g.node.runtime.stats.aborted == aborted + 1  # the dead client's goal was ended
-    finally:
-        if victim.poll() is None:
-            victim.kill()
-            victim.wait(10)
 
 
 def test_a_killed_client_in_a_full_batch_ends_no_other_callers_goal(llm_graph, embedded_ready):
@@ -207,16 +217,7 @@ def test_a_killed_client_in_a_full_batch_ends_no_other_callers_goal(llm_graph, e
     goal decodes beside it and a third caller waits. Silence on the feedback topic does not say
     whose client froze, so the other running goal is not ended for it (it was, with the dead
     one); the waiting goal is served when a slot frees."""
-    _, tasks = embedded_ready
-    g = llm_graph(model='', profiles='', task=tasks[0], load_ratio=0.9, compute_ratio=0.9,
-                  max_new_tokens_limit=1000, client_timeout=2.0,
-                  max_batch=2).ready(timeout=180.0)
-    victim = subprocess.Popen([sys.executable, '-c', VICTIM, g.namespace], env=_env(), cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = Lines(victim)
-    other = None
-    try:
-        assert _wait_until(lambda: len(out.lines) >= 8, 120.0), ''.join(out.lines)
+    with _victim_streaming(llm_graph, embedded_ready, max_batch=2) as (g, victim):
         other = g.send(g.goal('1, 2, 3, 4, 5, 6, 7, 8,', max_new_tokens=1000))
         assert other.accepted and other.wait_feedback(2, 60.0)  # decoding beside the victim's
         victim.kill()
@@ -234,10 +235,6 @@ def test_a_killed_client_in_a_full_batch_ends_no_other_callers_goal(llm_graph, e
             other.wait(60.0)
             assert other.status == GoalStatus.STATUS_CANCELED
             assert 'stopped taking results' not in other.result.error_msg
-    finally:
-        if victim.poll() is None:
-            victim.kill()
-            victim.wait(10)
 
 
 def test_every_runtime_parameter_refuses_extreme_values_and_unknown_names(llm_graph):
