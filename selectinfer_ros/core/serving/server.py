@@ -50,9 +50,10 @@ MAX_REASON_CHARS = 400  # a rejection reason kept for diagnostics (last_rejectio
 MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # dividing logits by less overflows
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings a goal may give, characters each
-# a json_schema/grammar goal that comes while the vocabulary is still being prepared (seconds
-# after configure) waits this long, then is refused with NO_MODEL (retry)
+# a json_schema/grammar goal that comes while the vocabulary is still being prepared (the load
+# waits for it up to VOCAB_BUILD_SECONDS) waits this long, then is refused with NO_MODEL (retry)
 VOCAB_WAIT_SECONDS = 0.5
+VOCAB_BUILD_SECONDS = 120.0
 
 
 def short(text: str, limit: int = MAX_NAME_CHARS) -> str:
@@ -324,7 +325,12 @@ class Server:
             rt = make()
             checker = copy.deepcopy(rt.engine.tokenizer)
             if grammars_available():
-                rt.engine.grammars.prepare()  # the vocabulary for constrained goals, in background
+                # The vocabulary for constrained goals, as part of the load: llguidance holds the
+                # GIL while it builds it (Gemma 3's 262144 tokens: 2.5 s, up to 5 s on a busy
+                # machine), which built in the background stalled the node's callbacks just as
+                # it became active: a goal sent when wait_for_server() returned was answered
+                # 1.5-5 s later.
+                rt.engine.grammars.wait_ready(VOCAB_BUILD_SECONDS)
             return rt, checker
 
         try:

@@ -30,7 +30,7 @@ def embedded_server():
     try:
         srv.load(lambda: Runtime(ModelOptions(task="general", num_threads=1)))
         srv.accepting = True
-        srv.runtime.engine.grammars.lltokenizer()  # prepared in the background by load()
+        srv.runtime.engine.grammars.lltokenizer()  # built by load()
         yield srv
     finally:
         srv.stop(timeout=10.0)
@@ -109,9 +109,28 @@ def test_a_tokenizer_llguidance_cannot_read_refuses_constraints_with_the_reason(
     assert e.value.code == serving.INVALID_GOAL and "unavailable" in e.value.reason
 
 
+def test_the_load_returns_with_the_vocabulary_built(monkeypatch):
+    """The load waits for llguidance's vocabulary (its build holds the GIL for seconds: built in
+    the background it stalled the node's callbacks as the node became active), so a constrained
+    goal right after the load is checked without waiting (no vocabulary cached before)."""
+    import collections
+
+    from selectinfer_ros.core.execution import constrain
+    monkeypatch.setattr(constrain, "_VOCABS", collections.OrderedDict())
+    srv = Server(queue_length=1)
+    srv.start()
+    try:
+        srv.load(lambda: Runtime(ModelOptions(task="general", num_threads=1)))
+        grammars = srv.runtime.engine.grammars
+        assert grammars.wait_ready(0.0)
+        assert grammars.lltokenizer(wait=0.0) is not None
+    finally:
+        srv.stop(timeout=10.0)
+
+
 def test_a_constrained_goal_while_the_vocabulary_is_prepared_is_refused_to_retry(embedded_server):
-    """Seconds after configure the vocabulary may still be prepared: the goal callback does not
-    wait for it, it refuses with NO_MODEL (retry) within VOCAB_WAIT_SECONDS."""
+    """A vocabulary still being prepared (its build ran past the load's wait): the goal
+    callback does not wait for it, it refuses with NO_MODEL (retry) within VOCAB_WAIT_SECONDS."""
     from selectinfer_ros.core.execution.constrain import Grammars
     e = embedded_server.runtime.engine
     ready = e._grammars
