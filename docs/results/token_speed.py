@@ -34,8 +34,9 @@ def main() -> None:
     path = resolve(args.model, args.weights, print)
     profiles = default_profiles_dir(args.model)
     engines = {}
+    token = dict(compute_ratio=args.share, compute_mode="token")
     for name, kw in (("all loaded", dict(compute_ratio=args.load_ratio)),
-                     (f"token {args.share:g}", dict(compute_ratio=args.share, compute_mode="token"))):
+                     (f"token {args.share:g}", token)):
         sm = SelectiveModel(path, profiles, "general", load_ratio=args.load_ratio,
                             static_ratio=min(0.3, args.share), **kw)
         engines[name] = Engine.from_selective(sm)

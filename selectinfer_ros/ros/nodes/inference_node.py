@@ -381,9 +381,9 @@ class InferenceNode(LifecycleNodeMixin, Node):
     def _watch(self) -> None:
         """Watcher thread: every WATCH_PERIOD, end the running goal when it ran past
         ``max_goal_seconds``, when every action client present when it came has left the graph,
-        or (a goal running alone while another waits) when a reader that acknowledged the node's messages during
-        this goal stopped doing so for ``client_timeout`` seconds (its client was killed or
-        froze: DDS would keep it matched ~20 s)."""
+        or (a goal running alone while another waits) when a reader that acknowledged the
+        node's messages during this goal stopped doing so for ``client_timeout`` seconds (its
+        client was killed or froze: DDS would keep it matched ~20 s)."""
         while not self._watching.wait(WATCH_PERIOD):
             try:
                 self._check_running()
