@@ -3,7 +3,10 @@
 A request joins with its own prefill into a free KV slot of the lean decoder and leaves when it is
 done; between, each :meth:`Batch.step` appends one token to every running request
 (:meth:`Decoder.decode_batch`: the int8 kernel reads every weight once for all rows). Each request
-keeps its own sampling, seed, stop strings, grammar, text stream and cancel (:class:`Stream`).
+keeps its own sampling, seed, stop strings, grammar, text stream and cancel (:class:`Stream`),
+and its own neurons: requests whose prompts choose different dynamic neurons, or that compute
+different ratios, decode over the union of their neurons with each row masked to its own
+(:meth:`SelectiveMLP.place`; a leaving request's neurons leave the union).
 """
 from __future__ import annotations
 
@@ -25,9 +28,11 @@ class Batch:
     own KV cache slot, sampling, seed, stop strings, grammar, text stream and cancel. Greedy text
     equals the request's alone (row b of a step is the same arithmetic as a step alone, except an
     output product that takes the blocked path: 9 or more rows on AVX-512 VNNI, 5 or more on the
-    AVX2-class paths; and a prompt prefilled in chunks sums its attention and products by chunk). Only requests that compute the same
-    neurons may share a batch (:meth:`Engine.batch_refusal`). Not thread-safe: one thread owns a
-    batch (the engine's lock is held per call)."""
+    AVX2-class paths; and a prompt prefilled in chunks sums its attention and products by
+    chunk). Rows that compute different neurons differ from alone also in where their neurons
+    sit in the prefix (the int8 kernel quantizes the down product's inputs by blocks of 32
+    slots): to int8 rounding. Per-token selection decodes alone (:meth:`Engine.batch_refusal`).
+    Not thread-safe: one thread owns a batch (the engine's lock is held per call)."""
 
     def __init__(self, engine: Engine, max_batch: int, prefill_chunk: int = PREFILL_CHUNK):
         if engine.decoder is None:
@@ -68,6 +73,8 @@ class Batch:
         stream.slot = next(s for s in range(self.max_batch) if s not in used)
         with e._lock:
             e.decoder.reserve(len(ids) + max_new, self.max_batch)
+            if e.selective is not None:
+                e.selective.share_rows(self.max_batch)
         if self.running and len(ids) > self.prefill_chunk:
             self.pending.append(stream)
         else:
@@ -80,9 +87,12 @@ class Batch:
         e, ids, lo = self.engine, stream.ids, stream.filled
         hi = min(len(ids), lo + n)
         last = hi == len(ids)
-        cancel = stream.cancel
-        with e._lock, torch.inference_mode():
+        cancel, st = stream.cancel, e.state
+        with e._lock, torch.inference_mode(), e.phi(stream.config.compute_ratio):
             e._start(torch.tensor([ids[lo:hi]]))
+            if st is not None:  # its selection places its neurons for its slot
+                st.row, st.last_chunk = stream.slot, last
+            ok = False
             try:
                 if cancel is not None and cancel():
                     raise Canceled
@@ -93,15 +103,23 @@ class Batch:
                 done = last and stream.advance(logits)
                 if last:
                     e._end_prefill(stream.metrics)
+                ok = True
             except Canceled:
                 stream.finish, done = "canceled", True
             finally:
-                if e.state is not None:
-                    e.state.prefill = True
+                if st is not None:
+                    st.prefill, st.row, st.last_chunk = True, None, True
+                if not ok or done:
+                    self._release(stream)
         if stream in self.pending and (done or last):
             self.pending.remove(stream)
         if last and not done:
             self.running.append(stream)
+
+    def _release(self, stream: Stream) -> None:
+        """``stream`` left the batch: its neurons leave the union the rows compute."""
+        if self.engine.selective is not None:
+            self.engine.selective.release_row(stream.slot)
 
     def step(self) -> list[Stream]:
         """The next chunk of the first pending prompt, then one token for every running request;
@@ -128,6 +146,8 @@ class Batch:
             self.steps += 1
             self.rows += len(rows)
             done = [r for b, r in enumerate(rows) if r.advance(logits[b])]
+            for r in done:
+                self._release(r)
         self.running = [r for r in self.running if r.finish is None]
         return ended + done
 
@@ -135,6 +155,8 @@ class Batch:
         """End every running or pending request (``finish``); they are returned, the batch is
         empty."""
         ended, self.running, self.pending = self.running + self.pending, [], []
-        for r in ended:
-            r.finish = finish
+        with self.engine._lock:
+            for r in ended:
+                r.finish = finish
+                self._release(r)
         return ended

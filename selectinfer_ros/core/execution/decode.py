@@ -358,6 +358,9 @@ class Decoder:
         pos = [self.lengths[s] for s in slots]
         if max(pos) >= self.capacity:
             raise RuntimeError(f"KV cache full ({self.capacity} positions): reserve more at prefill")
+        st = getattr(self.layers[0].mlp, "state", None)
+        if st is not None:
+            st.rows = slots  # the torch path's masks: row b computes the neurons of slot b's
         x = self._layers(self.embed(ids), pos, slots)
         for s in slots:
             self.lengths[s] += 1
@@ -434,10 +437,12 @@ class NativeInt8Step:
         bufs = {name: torch.empty(n, dtype=dtypes.get(name, torch.float32))
                 for name, n in native.scratch_sizes(max_k, teams, d.capacity, batch).items()}
         self._keep = list(bufs.values())
-        self._pos = torch.zeros(batch, dtype=torch.int64)  # per row: position, cache offset
+        self._pos = torch.zeros(batch, dtype=torch.int64)  # per row: position, cache offset,
         self._off = torch.zeros(batch, dtype=torch.int64)
+        self._slots = torch.zeros(batch, dtype=torch.int64)  # KV slot (its mask row)
         m = self.model
         m.batch = batch
+        m.slots = self._slots.data_ptr()
         m.hidden, m.n_heads, m.n_kv, m.head_dim = H, d.n_heads, d.n_kv, hd
         m.cap, m.max_k, m.eps, m.scaling = d.capacity, max_k, d.final_norm.eps, d.scaling
         m.act = _ACTIVATIONS[activation_name(cfg)]
@@ -509,7 +514,7 @@ class NativeInt8Step:
         thresholds."""
         st = self.d.layers[0].mlp.state
         if not st.per_token or st.prefill:
-            return (st.prefill,)
+            return (st.prefill, st.version)
         return (False, st.kept.data_ptr(), st.kept.numel(), st.candidates.data_ptr(),
                 st.candidates.numel(), [(l.mlp.gate_thr, l.mlp.act_thr) for l in self.d.layers])
 
@@ -538,9 +543,12 @@ class NativeInt8Step:
                 c.candidates = (cand.data_ptr() + 8 * mlp.layer if mlp.layer < cand.numel()
                                 else None)
             else:
-                c.n_active = mlp.n_loaded if st.prefill else mlp.n_active
+                c.n_active = mlp.n_loaded if st.prefill else mlp.decode_width
                 c.gate_thr = c.act_thr = 0.0
                 c.kept = c.candidates = None
+            masked = mlp.masked and not st.prefill and not c.token
+            c.mask = mlp.row_mask.data_ptr() if masked else None  # rows' own neurons
+            c.mask_ld = mlp.row_mask.stride(0) if masked else 0
         self._key = key
 
     def _prepare(self) -> None:
@@ -566,6 +574,7 @@ class NativeInt8Step:
         slot_floats = d.n_kv * d.capacity * d.head_dim
         for b in range(B):
             self._pos[b], self._off[b] = pos[b], slots[b] * slot_floats
+            self._slots[b] = slots[b]
         t = self._timing
         t[0] = t[1] = 0.0
         rc = self.fn(ctypes.byref(self.model), self.layers, len(self.layers), x.data_ptr(), B,

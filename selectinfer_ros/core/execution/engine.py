@@ -456,21 +456,14 @@ class Engine:
 
     def batch_refusal(self, config: GenerationConfig) -> str | None:
         """Why a request with ``config`` cannot decode in a :class:`Batch` with others (None when
-        it can): the rows of a batch share the computed neurons, so a request whose prefill
-        chooses its own (compute ratio below the load ratio, prompt mode) or whose tokens
-        choose their own (per-token mode) decodes alone; so do models off the lean decoder."""
+        it can). Requests whose prompts choose different neurons (any compute ratio) share a
+        pass over the union of their neurons, each row masked to its own; a request whose tokens
+        choose their own (per-token mode) decodes alone, and so do models off the lean decoder."""
         if self.decoder is None:
             return f"decoding runs on the {self.decode_path}"
         sm = self.selective
-        if sm is None:
-            return None
-        if sm.state.per_token:
+        if sm is not None and sm.state.per_token:
             return "per-token selection (each token computes its own neurons)"
-        gamma = float(sm.load_ratio)
-        for ratio in (config.compute_ratio, sm.compute_ratio):  # the request's, the model's
-            if ratio is not None and ratio < gamma - 1e-9:
-                return (f"compute ratio {ratio:g} below the load ratio {gamma:g} (the prompt "
-                        "chooses the neurons its tokens compute)")
         return None
 
     @torch.inference_mode()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels") / "int8_decode.c"
-ABI_VERSION = 14
+ABI_VERSION = 15
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
 # (name, cpuinfo flags it needs, compiler flags), best first, per machine
@@ -79,7 +79,10 @@ class LayerC(ctypes.Structure):
                    ("act_thr", ctypes.c_float), ("kept", ctypes.c_void_p),
                    ("candidates", ctypes.c_void_p),
                    # 1: gu and down hold their rows as tiles (si_tile_pack; down_ld: slots)
-                   ("tiled", ctypes.c_int64)])
+                   ("tiled", ctypes.c_int64),
+                   # rows computing different neurons of the prefix: float32 [slots, mask_ld],
+                   # row b's activations times mask[ModelC.slots[b]] (None: no masks)
+                   ("mask", ctypes.c_void_p), ("mask_ld", ctypes.c_int64)])
 
 
 class ModelC(ctypes.Structure):
@@ -95,7 +98,8 @@ class ModelC(ctypes.Structure):
                 # rows of a batch the scratch holds (row strides: see scratch_sizes)
                 + [("batch", ctypes.c_int64),
                    ("prep", ctypes.c_void_p),  # uint8: activations prepared (see scratch_sizes)
-                   ("part", ctypes.c_void_p)])  # 4-bit records' partial down sums per thread
+                   ("part", ctypes.c_void_p),  # 4-bit records' partial down sums per thread
+                   ("slots", ctypes.c_void_p)])  # int64 [batch]: row b's mask row (its KV slot)
 
 
 def scratch_sizes(max_k: int, teams: int, cap: int, batch: int) -> dict[str, int]:

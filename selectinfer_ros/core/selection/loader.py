@@ -459,6 +459,17 @@ class SelectiveModel:
         return {"computed_share": kept, "candidate_share": cand,
                 "read_share": (loaded + cand + kept) / 3}
 
+    def share_rows(self, rows: int) -> None:
+        """Room for the masks of ``rows`` KV slots whose requests decode together, each computing
+        its own neurons of one shared prefix (:meth:`SelectiveMLP.place`)."""
+        for m in self.mlps:
+            m.share_rows(rows)
+
+    def release_row(self, row: int) -> None:
+        """The request of KV slot ``row`` left its batch (:meth:`SelectiveMLP.release_row`)."""
+        for m in self.mlps:
+            m.release_row(row)
+
     def active_neuron_ids(self) -> list[torch.Tensor]:
         """Per layer, the neuron ids computed in decode (after the last prefill's selection)."""
         return [m.slot_ids[: m.n_active].cpu() for m in self.mlps]

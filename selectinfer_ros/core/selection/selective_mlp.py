@@ -193,6 +193,15 @@ class SelectionState:
         self.token_weight: torch.Tensor | None = None  # [T] 1.0 for tokens that vote, 0.0 (BOS) not
         self.select_seconds = 0.0  # time spent choosing dynamic neurons since the last reset
         self.per_token = False  # compute_mode "token": each decode token chooses its neurons
+        # rows of a batch (prompt mode): the KV slot whose prefill places its neurons in the
+        # shared prefix (None: a request alone, its neurons swapped into the prefix), whether this
+        # forward is the prompt's last chunk (earlier chunks' votes are kept until it), the KV
+        # slots of a decode step's rows (the torch path's masks) and a counter of the layers'
+        # row changes (the decode kernel's fields follow it)
+        self.row: int | None = None
+        self.last_chunk = True
+        self.rows: list[int] | None = None
+        self.version = 0
         # token mode, cumulative (see SelectiveModel.read_shares):
         self.kept = torch.zeros(0, dtype=torch.int64)  # [L] neurons computed in decode
         self.candidates = torch.zeros(0, dtype=torch.int64)  # [L] of them candidates (up row read)
@@ -227,6 +236,14 @@ class SelectiveMLP(nn.Module):
         self.tiled = False  # int8 ``gu`` and ``down`` as tiles (Slots.tiled)
         self.gate_thr = 0.0  # per-token mode: |act(gate)| a candidate clears
         self.act_thr = 0.0  # per-token mode: |act(gate) * up| a computed neuron clears
+        # Rows of a batch that compute different neurons (see place / release_row): each KV
+        # slot's mask over the slots, float32 [rows, n_loaded] (1: the row computes that slot);
+        # the rows placed; the shared prefix they compute (None: n_active); whether they differ
+        self.row_mask: torch.Tensor | None = None
+        self.live: set[int] = set()
+        self.width: int | None = None
+        self.masked = False
+        self._votes_of: tuple[int | None, torch.Tensor, torch.Tensor] | None = None  # by neuron id
 
     @property
     def slots(self) -> Slots:
@@ -246,14 +263,22 @@ class SelectiveMLP(nn.Module):
         self.slot_ids = slot_ids
         self.n_static = n_static
         self.n_active = slot_ids.numel()
+        self.row_mask, self.live, self.width, self.masked = None, set(), None, False
+        self._votes_of = None
 
     def set_active(self, n_active: int) -> None:
         """Neurons computed per decode step (static + dynamic), clamped to [n_static, n_loaded]."""
         self.n_active = self.n_loaded if self.dense else max(self.n_static, min(n_active, self.n_loaded))
 
+    @property
+    def decode_width(self) -> int:
+        """Slots a decode step computes: the active prefix (rows of a batch: their union)."""
+        return self.width if self.width is not None else self.n_active
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, H]
         per_token = self.state.per_token and not self.state.prefill  # dense layers: thresholds 0
-        k = self.n_loaded if self.state.prefill or per_token or self.token_layout else self.n_active
+        k = self.n_loaded if self.state.prefill or per_token or self.token_layout \
+            else self.decode_width
         if self.rec is not None:  # 4-bit records: the active prefix, read in place
             out = q4.records_linear(x, self.rec[:k], self.hidden)  # [B, T, k, 2]
         elif self.tiled:  # rows 2i, 2i + 1: neuron i's gate and up
@@ -282,8 +307,11 @@ class SelectiveMLP(nn.Module):
                 self.state.candidates[self.layer] += int(cand.sum())
                 if self.layer == 0:
                     self.state.decoded += keep[..., 0].numel()
+        elif self.masked and not self.state.prefill:  # rows computing different neurons
+            h = h * self.row_mask[self.state.rows, :k].unsqueeze(-2)  # [B, 1, k]
         y = self._down(h, k).to(x.dtype)  # [B, T, H]
-        if self.state.prefill and self.n_active < self.n_loaded and not self.state.per_token:
+        if self.state.prefill and not self.state.per_token and (
+                self.n_active < self.n_loaded or self.state.row is not None):
             t0 = time.perf_counter()
             self._select(h)
             self.state.select_seconds += time.perf_counter() - t0
@@ -306,26 +334,126 @@ class SelectiveMLP(nn.Module):
             y = part if y is None else y.add_(part)
         return y
 
-    def _select(self, h: torch.Tensor) -> None:
-        """Choose ``n_active - n_static`` dynamic neurons from the prompt and swap them in."""
+    def _votes(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prompt's (or chunk's) votes per slot ``[k]``: counts of tokens whose top-alpha holds
+        the slot and summed |a| (method "norm": the prompt-wide norm, and zeros); both add up
+        over chunks."""
         a = h.reshape(-1, h.shape[-1]).abs().float()  # [T, k]
         w = self.state.token_weight
         w = torch.ones(a.shape[0], device=a.device) if w is None or w.numel() != a.shape[0] else w
-        k, s = self.n_loaded, self.n_static
-        e = self.n_active - s
+        k = self.n_loaded
         if self.state.method == "norm":
             a = a / a.norm(dim=1, keepdim=True).clamp_min(1e-12)
-            key = (a.square() * w[:, None]).sum(0)  # [k] GRIFFIN: prompt-wide norm per neuron
-        else:
-            k_alpha = max(1, int(self.state.alpha * k))
-            top = torch.topk(a, k_alpha, dim=1, sorted=False).indices  # [T, k_alpha]
-            counts = torch.zeros(k, device=a.device).index_add_(
-                0, top.flatten(), w[:, None].expand_as(top).flatten())
-            mass = (a * w[:, None]).sum(0)
-            key = counts + 0.5 * mass / mass.max().clamp_min(1e-30)  # ties broken by summed |a|
+            return (a.square() * w[:, None]).sum(0), torch.zeros(k, device=a.device)  # GRIFFIN
+        k_alpha = max(1, int(self.state.alpha * k))
+        top = torch.topk(a, k_alpha, dim=1, sorted=False).indices  # [T, k_alpha]
+        counts = torch.zeros(k, device=a.device).index_add_(
+            0, top.flatten(), w[:, None].expand_as(top).flatten())
+        return counts, (a * w[:, None]).sum(0)
+
+    def _select(self, h: torch.Tensor) -> None:
+        """Choose ``n_active - n_static`` dynamic neurons from the prompt and put them in the
+        prefix (:meth:`place`). A prompt prefilled in chunks (``state.last_chunk`` False until
+        its last) chooses at its last chunk from the votes of all, kept by neuron id meanwhile
+        (other rows may move slots between chunks)."""
+        k, s = self.n_loaded, self.n_static
+        e = self.n_active - s
+        st = self.state
+        if e >= k - s:  # every loaded slot
+            if st.last_chunk:
+                self.place(torch.arange(s, k, device=self.slot_ids.device))
+            return
+        counts, mass = self._votes(h)
+        if not st.last_chunk or self._votes_of is not None:
+            ids = self.slot_ids
+            if self._votes_of is None or self._votes_of[0] != st.row:
+                n = int(ids.max()) + 1 if ids.numel() else 0
+                self._votes_of = (st.row, torch.zeros(n, device=ids.device),
+                                  torch.zeros(n, device=ids.device))
+            self._votes_of[1].index_add_(0, ids, counts)
+            self._votes_of[2].index_add_(0, ids, mass)
+            if not st.last_chunk:
+                return
+            counts, mass = self._votes_of[1][ids], self._votes_of[2][ids]
+            self._votes_of = None
+        key = counts + 0.5 * mass / mass.max().clamp_min(1e-30)  # ties broken by summed |a|
         key[:s] = -1.0
-        chosen = torch.topk(key, e, sorted=False).indices
-        self._swap_in(chosen, s, e)
+        self.place(torch.topk(key, e, sorted=False).indices)
+
+    # ---- rows of a batch that compute different neurons --------------------------------
+    def share_rows(self, rows: int) -> None:
+        """Room for the masks of ``rows`` KV slots (kept when there is)."""
+        m = self.row_mask
+        if m is not None and m.shape[0] >= rows and m.shape[1] == self.n_loaded:
+            return
+        new = torch.zeros(rows, self.n_loaded, device=self.slot_ids.device)
+        if m is not None and m.shape[1] == self.n_loaded:
+            new[:m.shape[0]] = m
+        else:
+            self.live, self.width, self.masked = set(), None, False
+        self.row_mask = new
+
+    def place(self, chosen: torch.Tensor) -> None:
+        """The dynamic neurons ``chosen`` (slots >= n_static) become those of the request in
+        prefill. Alone (``state.row`` None), or the first row of a batch: swapped into
+        ``[n_static, n_static + e)``. A further row of a batch (its KV slot ``state.row``): the
+        chosen slots already in the shared prefix stay where they are, the others are swapped in
+        right after it, and the prefix grows by them; the row's mask marks its own slots."""
+        s, row = self.n_static, self.state.row
+        if row is None or not (self.live - {row}):
+            self._swap_in(chosen, s, chosen.numel())
+            width = s + chosen.numel()
+        else:
+            u = self.width
+            inside, outside = chosen[chosen < u], chosen[chosen >= u]
+            self._swap_in(outside, u, outside.numel())
+            width = u + outside.numel()
+        if row is None:
+            return
+        mask = self.row_mask[row]
+        mask.zero_()
+        mask[:s] = 1.0
+        if self.live - {row}:
+            mask[inside] = 1.0
+            mask[u:width] = 1.0
+        else:
+            mask[s:width] = 1.0
+        self.live.add(row)
+        self.width = width
+        self._note_rows()
+
+    def release_row(self, row: int) -> None:
+        """KV slot ``row`` left the batch: its mask is cleared and the prefix shrinks to the
+        remaining rows' neurons (slots beyond the new prefix that a row computes are swapped into
+        the holes, the masks follow)."""
+        if self._votes_of is not None and self._votes_of[0] == row:
+            self._votes_of = None
+        if row not in self.live:
+            return
+        self.live.discard(row)
+        self.row_mask[row].zero_()
+        if not self.live:
+            self.width, self.masked = None, False
+            return
+        live = torch.tensor(sorted(self.live), device=self.row_mask.device)
+        used = (self.row_mask[live, :self.width] > 0).any(0)  # [width]
+        used[:self.n_static] = True
+        n = int(used.sum())
+        holes = (~used[:n]).nonzero().flatten()  # free slots inside the new prefix
+        movers = used[n:].nonzero().flatten() + n  # used slots beyond it (as many)
+        if holes.numel():
+            dst, src = torch.cat([holes, movers]), torch.cat([movers, holes])
+            self.slots.copy(dst, self.slots, src)
+            copy_index(self.slot_ids, 0, dst, self.slot_ids, src)
+            copy_index(self.row_mask, 1, dst, self.row_mask, src)
+        self.width = n
+        self._note_rows()
+
+    def _note_rows(self) -> None:
+        """Whether the live rows' masks differ from the whole prefix (then applied)."""
+        live = sorted(self.live)
+        self.masked = bool(live) and bool((self.row_mask[live, :self.width] == 0).any())
+        self.state.version += 1
 
     def _swap_in(self, chosen: torch.Tensor, s: int, e: int) -> None:
         """Move the slots ``chosen`` into ``[s, s+e)`` by pairwise swaps, with no host sync."""

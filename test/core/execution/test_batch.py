@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from selectinfer_ros.core.execution.batch import Batch
 from selectinfer_ros.core.execution.engine import Engine, GenerationConfig
@@ -22,13 +23,14 @@ def _prompts(n: int) -> list[str]:
     return [p for group in zip(*per) for p in group][:n]
 
 
-def _run(batch: Batch, jobs: list[tuple[str, GenerationConfig]], cancel_at: dict | None = None
-         ) -> list:
+def _run(batch: Batch, jobs: list[tuple[str, GenerationConfig]], cancel_at: dict | None = None,
+         pre: dict | None = None, offset: int = 0) -> list:
     """Every job through ``batch``: each joins as soon as a slot is free (continuous
-    batching), the running ones step together; the results in job order."""
+    batching), the running ones step together; the results in job order (``pre``: streams
+    joined already, numbered before the jobs, which start at ``offset``)."""
     results: dict[int, object] = {}
-    streams: dict[int, object] = {}
-    waiting = list(enumerate(jobs))
+    streams: dict[int, object] = dict(pre or {})
+    waiting = [(offset + i, job) for i, job in enumerate(jobs)]
     while waiting or batch.running:
         while waiting and batch.room > 0:
             i, (prompt, cfg) = waiting.pop(0)
@@ -38,7 +40,7 @@ def _run(batch: Batch, jobs: list[tuple[str, GenerationConfig]], cancel_at: dict
         for s in batch.step():
             i = next(k for k, v in streams.items() if v is s)
             results[i] = s.result()
-    return [results[i] for i in range(len(jobs))]
+    return [results[i] for i in range(offset + len(jobs))]
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +90,12 @@ def test_canceling_one_request_leaves_the_others_texts(int8_engine):
         assert results[i].text == alone[i].text, i
 
 
-def test_requests_that_choose_their_own_neurons_are_refused_before_the_model_runs(
-        int8_engine, tiny_models, tiny_profiles):
-    """A batch shares the computed neurons: a request whose prompt chooses its own (compute
-    ratio below the load ratio) is refused with the reason, and so is one more than the batch
-    holds; the batch keeps serving."""
+def test_a_full_batch_and_a_bad_compute_ratio_are_refused_before_the_model_runs(int8_engine):
+    """One request more than the batch holds, and a compute ratio the model cannot serve, are
+    refused with the reason; the batch keeps serving."""
     batch = Batch(int8_engine, 1)
-    with pytest.raises(ValueError, match="compute ratio 0.5 below the load ratio 1"):
+    with pytest.raises(ValueError, match=r"compute_ratio must be in \[static_ratio=1.0, "
+                                         r"load_ratio=1.0\], got 0.5"):
         batch.join("Hello", GenerationConfig(compute_ratio=0.5))
     s = batch.join("The robot", GenerationConfig(max_new_tokens=4))
     with pytest.raises(ValueError, match="the batch is full"):
@@ -104,6 +105,92 @@ def test_requests_that_choose_their_own_neurons_are_refused_before_the_model_run
     assert s.result().finish_reason == "length"
     with pytest.raises(ValueError, match=r"max_batch 0 outside \[1, 16\]"):
         Batch(int8_engine, 0)
+
+
+RATIOS = [0.4, 0.6, 0.8, 0.5, 0.6, 0.4, 0.8, 0.7]  # compute ratios of the mixed jobs (gamma 0.8)
+
+
+def _row_ids(mlp, slot: int) -> set[int]:
+    """The neuron ids KV slot ``slot``'s row computes in ``mlp`` (its mask over the prefix)."""
+    on = mlp.row_mask[slot, :mlp.width] > 0
+    return set(mlp.slot_ids[:mlp.width][on].tolist())
+
+
+def test_requests_of_different_compute_ratios_decode_together_each_with_its_own_neurons(
+        embedded, embedded_profiles):
+    """8 held-out prompts with compute ratios 0.4-0.8 of gamma 0.8 (float weights: the masked
+    products are exact), each choosing its dynamic neurons at its prefill, decoded 4 at a time
+    over the union of their neurons and leaving at different lengths: each row computes its
+    own neurons (as many as its ratio asks, the static ones included) and its greedy text
+    equals its run alone; when all are done no row is left in any layer."""
+    sm = SelectiveModel(embedded, embedded_profiles, "qa", load_ratio=0.8, static_ratio=0.3,
+                        compute_ratio=0.6)
+    e = Engine.from_selective(sm)
+    assert e.decoder is not None and e.batch_refusal(GenerationConfig(compute_ratio=0.4)) is None
+    jobs = [(p, GenerationConfig(max_new_tokens=12 + 3 * i, compute_ratio=r))
+            for i, (p, r) in enumerate(zip(_prompts(8), RATIOS))]
+    alone = [e.generate(p, c) for p, c in jobs]
+    batch = Batch(e, 4)
+    first = [batch.join(p, c) for p, c in jobs[:4]]
+    asked = []  # per ratio, the neurons each layer computes
+    for r in RATIOS[:4]:
+        with e.phi(r):
+            asked.append([m.n_active for m in sm.mlps])
+    for layer, mlp in enumerate(sm.mlps):
+        rows = [_row_ids(mlp, s.slot) for s in first]
+        assert [len(r) for r in rows] == [a[layer] for a in asked]
+        static = set(mlp.slot_ids[:mlp.n_static].tolist())
+        assert all(static <= r for r in rows)
+        assert mlp.width == len(set().union(*rows)) and mlp.masked
+    together = _run(batch, jobs[4:], pre={i: s for i, s in enumerate(first)}, offset=4)
+    assert [r.text for r in together] == [r.text for r in alone]
+    assert batch.rows > 2 * batch.steps
+    assert all(not m.live and m.width is None and not m.masked for m in sm.mlps)
+
+
+@pytest.mark.parametrize("weights", ["int8", "q4"])
+def test_masked_rows_in_the_kernel_equal_the_torch_path(tiny_models, tiny_profiles, weights,
+                                                       tmp_path):
+    """Rows of one decode step computing different neurons of the shared prefix (tiny Llama,
+    int8 and 4-bit records, compute ratios 0.3 / 0.5 / 0.7 of gamma 0.7): the decode kernel's
+    logits equal the torch path's on the same slots and masks, and differ without the masks."""
+    from selectinfer_ros.core.format.pack import pack
+    hf, packed = tiny_models["tiny-llama"]
+    if weights == "q4":
+        packed = pack(hf, tmp_path / "q4", weights="q4", log=lambda s: None).path
+    else:
+        packed = pack_of(packed, "int8", lambda s: None)
+    sm = SelectiveModel(packed, tiny_profiles["tiny-llama"], "alpha", load_ratio=0.7,
+                        static_ratio=0.2, compute_ratio=0.5)
+    e = Engine.from_selective(sm)
+    assert e.decoder.path == "int8 decode kernel"
+    batch = Batch(e, 3)
+    rows = [batch.join(f"w{11 * i} w{7 + i} w{40 - i} w{3 * i}",
+                       GenerationConfig(max_new_tokens=8, compute_ratio=r, ignore_eos=True))
+            for i, r in enumerate((0.3, 0.5, 0.7))]
+    assert all(m.masked for m in sm.mlps)
+    d = e.decoder
+    toks, slots = [r.tok for r in rows], [r.slot for r in rows]
+    lengths = list(d.lengths)
+
+    def step(native) -> torch.Tensor:
+        d.lengths[:] = lengths
+        kept, d.native = d.native, native
+        try:
+            e.state.prefill = False
+            with torch.inference_mode():
+                return d.decode_batch(toks, slots)
+        finally:
+            d.native, e.state.prefill = kept, True
+
+    kernel, torch_path = step(d.native), step(None)
+    scale = float(torch_path.abs().max())
+    assert torch.allclose(kernel, torch_path, rtol=0, atol=2e-4 * scale)
+    for m in sm.mlps:
+        m.masked = False
+    e.state.version += 1
+    unmasked = step(d.native)
+    assert (unmasked - torch_path).abs().max() > 100 * (kernel - torch_path).abs().max()
 
 
 def test_grammar_and_stop_strings_hold_per_request(int8_engine):

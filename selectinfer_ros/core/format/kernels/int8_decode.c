@@ -42,7 +42,7 @@
 #endif
 
 #ifndef SI_ABI_VERSION
-#define SI_ABI_VERSION 14
+#define SI_ABI_VERSION 15
 #endif
 
 #if defined(SI_PLAIN)
@@ -1639,6 +1639,10 @@ typedef struct {
     int64_t *candidates;     /* NULL, or += candidates (up row read) per call (token) */
     int64_t tiled; /* 1: gu holds the [n_loaded * 2, H] rows as tiles and down the [H, down_ld]
                       rows (si_tile_pack); prefix selection only */
+    const float *mask; /* NULL, or rows of a batch that compute different neurons of one shared
+                          prefix: row b's activations a_n are multiplied by
+                          mask[slots[b] * mask_ld + n] (1: its neuron, 0: another row's) */
+    int64_t mask_ld;
 } si_layer;
 
 typedef struct {
@@ -1669,6 +1673,8 @@ typedef struct {
     /* [batch * teams * max_k]: each row's partial down sums of threads 1 .. teams - 1 over
        4-bit records (mlp_rows_q4; row b, thread u at (b * teams + u - 1) * max_k) */
     float *part;
+    /* [batch]: row b's mask row (si_layer.mask: its KV slot), filled per call; NULL: no masks */
+    const int64_t *slots;
 } si_model;
 
 int si_abi(int64_t *sizes, int n) {
@@ -1955,8 +1961,14 @@ static void mlp_residual(const si_model *m, const si_model *R, const si_layer *L
     barrier();
 }
 
+/* Row b's mask over the layer's active prefix (NULL: it computes all of it). */
+static inline const float *row_mask(const si_model *m, const si_layer *L, int64_t b) {
+    return L->mask && m->slots ? L->mask + m->slots[b] * L->mask_ld : NULL;
+}
+
 /* One layer's MLP over the active prefix for the B rows of a batch, run by every member; same
-   barriers as above. */
+   barriers as above. Rows that compute different neurons of the prefix (si_layer.mask) zero the
+   others' activations before the down product: their blocks quantize only their own values. */
 static void mlp_rows(const si_model *m, const si_model *R, const si_layer *L, float *x,
                      int64_t B, int t, int nt) {
     int64_t H = m->hidden, k = L->n_active, K = m->max_k;
@@ -1974,8 +1986,11 @@ static void mlp_rows(const si_model *m, const si_model *R, const si_layer *L, fl
     int64_t b0 = 2 * p0, b1 = 2 * p1 < nbk ? 2 * p1 : nbk;
     for (int64_t b = 0; b < B; b++) {
         const si_model *r = &R[b];
+        const float *mk = row_mask(m, L, b);
         for (int64_t n = b0 * QK; n < b1 * QK && n < k; n++)
             r->a[n] = act(r->gu[2 * n], m->act) * r->gu[2 * n + 1] * L->down_scale[n];
+        if (mk)
+            for (int64_t n = b0 * QK; n < b1 * QK && n < k; n++) r->a[n] *= mk[n];
         quantize_blocks(r->a, k, b0, b1, r->xq, r->xd, r->xs);
 #ifdef SI_PREP
         if (r->prep) prep_pairs(r->xq, r->xd, k / QK, p0, p1 < np ? p1 : np, r->prep);
@@ -2063,7 +2078,12 @@ static void mlp_rows_q4(const si_model *m, const si_model *R, const si_layer *L,
                     __builtin_prefetch(r + PF_RECORDS * RL + o, 0, 2);
             for (int64_t b = 0; b < B; b++) {
                 const si_model *rb = &R[b];
+                const float *mk = row_mask(m, L, b);
                 float gv, uv;
+                if (mk && mk[n] == 0.0f) { /* another row's neuron: not computed for this one */
+                    rb->a[n] = 0.0f;
+                    continue;
+                }
                 q4_row(r, d, nb, rb->xq, rb->xd, rb->xs, &gv);
                 q4_row(r + H / 2, d + nb, nb, rb->xq, rb->xd, rb->xs, &uv);
                 rb->a[n] = act(gv, m->act) * uv;
