@@ -435,6 +435,8 @@ class SelectiveMLP(nn.Module):
         if not self.live:
             self.width, self.masked = None, False
             return
+        if not self.masked:  # every row computed the whole prefix: the rest still do
+            return
         live = torch.tensor(sorted(self.live), device=self.row_mask.device)
         used = (self.row_mask[live, :self.width] > 0).any(0)  # [width]
         used[:self.n_static] = True

@@ -12,10 +12,10 @@ once started always completes before its caller hears back.
 
 Up to ``max_batch`` goals decode together (:class:`Batch`: one pass over the weights per token):
 a goal at the head of the queue joins the running ones after its own prefill when there is room
-and it computes the same neurons (:meth:`Engine.batch_refusal`; no ``choices``, no task switch);
-any other job at the head (a task switch, a ``choices`` goal, a goal that chooses its own
-neurons, a call) waits until the running goals are done, then runs alone. ``max_batch`` 1: one
-goal at a time.
+(:meth:`Engine.batch_refusal`; no ``choices``, no task switch), whatever its compute ratio: the
+rows compute the union of their neurons, each masked to its own. Any other job at the head (a
+task switch, a ``choices`` goal, a goal under per-token selection, a call) waits until the running
+goals are done, then runs alone. ``max_batch`` 1: one goal at a time.
 """
 from __future__ import annotations
 
@@ -449,8 +449,8 @@ class Server:
             self._in_system += 1
 
     def _max_running(self) -> int:
-        """Goals that may run at once: ``max_batch`` where the model's goals batch (every loaded
-        neuron computed), else 1."""
+        """Goals that may run at once: ``max_batch`` where the model's goals batch (not per-token
+        selection), else 1."""
         rt = self.runtime
         if self.max_batch < 2 or rt is None or getattr(rt.engine, "decoder", None) is None:
             return 1

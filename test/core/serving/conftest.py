@@ -41,3 +41,11 @@ def batch_server(tiny_models, tiny_profiles):
     """The tiny Llama computing every loaded neuron (goals may batch), max_batch 3, queue of 4."""
     yield from served_tiny_llama(tiny_models, tiny_profiles, load_ratio=1.0, compute_ratio=1.0,
                                  queue_length=4, max_batch=3)
+
+
+@pytest.fixture
+def selecting_batch_server(tiny_models, tiny_profiles):
+    """The tiny Llama at gamma 0.7 / phi 0.5 (each prompt chooses its neurons), max_batch 3,
+    queue of 4."""
+    yield from served_tiny_llama(tiny_models, tiny_profiles, load_ratio=0.7, compute_ratio=0.5,
+                                 queue_length=4, max_batch=3)

@@ -325,6 +325,41 @@ def test_goals_decode_together_each_with_its_own_text_and_cancel(batch_server):
     assert srv.running is None and srv.waiting == 0 and srv.aggregate_tokens_per_second > 0
 
 
+def test_goals_with_different_compute_ratios_decode_together(selecting_batch_server):
+    """Three goals asking compute ratios 0.3, 0.5 and 0.7 of gamma 0.7 (their prompts choose
+    their own neurons) start together (each before any ends), each result reports its own
+    ratio and its text equals its run alone."""
+    srv = selecting_batch_server
+    hold, events, jobs = threading.Event(), [], []
+    ratios = (0.3, 0.5, 0.7)
+    for i, r in enumerate(ratios):
+        def start(i=i) -> None:
+            events.append(("start", i))
+            hold.wait(30.0)
+
+        def end(outcome, i=i) -> None:
+            events.append(("end", i))
+            jobs[i].ended.set()
+
+        job = GoalJob(f"w{12 + i} w{30 - i} w{5 * i}",
+                      GenerationConfig(max_new_tokens=10 + 2 * i, ignore_eos=True,
+                                       compute_ratio=r), "", r, lambda: False, start,
+                      lambda d, n: None, end)
+        job.ended = threading.Event()
+        srv.admit()
+        srv.submit(job)
+        jobs.append(job)
+    hold.set()
+    assert all(j.ended.wait(60.0) for j in jobs)
+    first_end = events.index(next(e for e in events if e[0] == "end"))
+    assert {i for kind, i in events[:first_end] if kind == "start"} == {0, 1, 2}, events
+    engine = srv.runtime.engine
+    for j, r in zip(jobs, ratios):
+        assert j.outcome.status == "succeeded" and j.outcome.compute_ratio == r
+        assert j.outcome.result.text == engine.generate(j.prompt, j.config).text
+    assert srv.running is None and srv.waiting == 0 and srv.aggregate_tokens_per_second > 0
+
+
 def test_draining_ends_every_goal_of_a_batch_within_a_step(batch_server):
     """Deactivate / Ctrl-C while three goals decode together: each ends ABORTED with the reason
     and the text it streamed; the worker is idle after. (The worker is held in a streaming
