@@ -8,7 +8,8 @@ whatever GPU a machine has, against transformers and against the CPU run of the 
    the GPU equals transformers on the GPU (max |logit diff|, greedy tokens); gamma 0.7 / phi 0.5,
    prompt and token mode, GPU vs CPU; a task switch on the GPU equals a fresh load of that task;
    int8 and 4-bit records on the GPU (dequantized rows) vs the CPU kernel; 4 greedy requests in
-   one batch equal their runs alone; float16 greedy tokens vs float32;
+   one batch equal their runs alone, also when each asks its own compute ratio (rows masked to
+   their own neurons); float16 greedy tokens vs float32;
 2. ``selectinfer bench --preset PRESET --device cuda --dtype float16`` (real shapes, random
    weights): dense vs selective decode and prefill tok/s; then where a decode token's time goes
    (torch.profiler: the device's busy time against the wall time, kernel launches a token).
@@ -181,6 +182,22 @@ def check_family(family: str, root: Path, dev: str) -> None:
     together = [s.result().token_ids for s in streams]
     check(f"{family} batch of 4 on {dev} vs alone", together == alone,
           f"{batch.steps} steps, {batch.rows} rows; tokens "
+          f"{'equal' if together == alone else 'DIFFER'}")
+
+    # 5b. requests of their own compute ratios (their own neurons, masked rows) equal each alone
+    ratios = (0.3, 0.5, 0.7, 0.4)
+    cfgs = [GenerationConfig(max_new_tokens=8 + 2 * i, ignore_eos=True, compute_ratio=r)
+            for i, r in enumerate(ratios)]
+    alone = [eng.generate(p, c).token_ids for p, c in zip(prompts, cfgs)]
+    batch = Batch(eng, 4)
+    streams = [batch.join(p, c) for p, c in zip(prompts, cfgs)]
+    masked = all(m.masked for m in sm.mlps)
+    while batch.running or batch.pending:
+        batch.step()
+    together = [s.result().token_ids for s in streams]
+    check(f"{family} batch of 4 ratios {'/'.join(map(str, ratios))} on {dev} vs alone",
+          together == alone and masked,
+          f"rows masked to their own neurons: {masked}; tokens "
           f"{'equal' if together == alone else 'DIFFER'}")
 
     # 6. float16 on the GPU (the robot's dtype) vs float32

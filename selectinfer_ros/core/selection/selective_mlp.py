@@ -340,7 +340,8 @@ class SelectiveMLP(nn.Module):
         over chunks."""
         a = h.reshape(-1, h.shape[-1]).abs().float()  # [T, k]
         w = self.state.token_weight
-        w = torch.ones(a.shape[0], device=a.device) if w is None or w.numel() != a.shape[0] else w
+        w = (torch.ones(a.shape[0], device=a.device) if w is None or w.numel() != a.shape[0]
+             else w.to(a.device))  # a batch's prefill marks its tokens on the host
         k = self.n_loaded
         if self.state.method == "norm":
             a = a / a.norm(dim=1, keepdim=True).clamp_min(1e-12)
