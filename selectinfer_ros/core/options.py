@@ -203,7 +203,7 @@ class NodeSettings(ModelOptions):
     queue_length: int = param(4, "goals that may wait behind the running one; more are rejected "
                               "at once (QUEUE_FULL)", lo=0, hi=MAX_QUEUE_LENGTH, runtime=True)
     max_batch: int = param(4, "running goals decoded together, one pass over the weights per "
-                           "token (goals that compute the same neurons; 1: one at a time)", lo=1,
+                           "token (each goal computing its own neurons; 1: one at a time)", lo=1,
                            hi=MAX_BATCH, runtime=True)
     diagnostics_period: float = param(1.0, "seconds between diagnostics messages", lo=0.05,
                                       hi=3600.0, runtime=True)
