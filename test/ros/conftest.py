@@ -316,7 +316,10 @@ def llm_graph(ros_context, tiny_llm):
     """Factory: llm_graph(manager=None|dict, **node_params) -> started LLMGraph (tiny model).
 
     Node parameters default to the tiny model and its profiles, task 'alpha' (load_ratio 0.7,
-    compute_ratio 0.5; ``task=''`` serves the general profile); ``manager`` gives the profile manager's parameters (model/profiles filled in).
+    compute_ratio 0.5; ``task=''`` serves the general profile); ``manager`` gives the profile
+    manager's parameters (model/profiles filled in). A node whose compute ratio is below its load
+    ratio runs goals one at a time unless ``max_batch`` is given (the queue and lifecycle tests
+    on it count on a goal waiting behind the running one; such goals batch since they may).
     """
     import uuid
 
@@ -328,6 +331,9 @@ def llm_graph(ros_context, tiny_llm):
                            task='alpha', load_ratio=0.7, compute_ratio=0.5,
                            diagnostics_period=0.5)
         node_params.update(params)
+        phi, gamma = node_params['compute_ratio'], node_params['load_ratio']
+        if 'max_batch' not in params and 0 < phi < gamma:
+            node_params['max_batch'] = 1
         manager_params = None
         if manager is not None:
             manager_params = dict(model=node_params['model'], profiles=node_params['profiles'])

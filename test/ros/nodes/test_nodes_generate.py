@@ -321,3 +321,26 @@ def test_four_clients_at_once_decode_together(llm_graph):
     assert g.node.server.aggregate_tokens_per_second > 0
     for goal, r in zip(goals, runs):
         assert g.run(goal).result.text == r.result.text  # alone: the same text
+
+
+def test_goals_of_different_compute_ratios_decode_together(llm_graph):
+    """gamma 0.7, max_batch 3: three clients' goals asking compute ratios 0.3, 0.5 and 0.7 (each
+    prompt chooses its own neurons) run together, each result reports the ratio it asked, and
+    each text equals the goal's run alone."""
+    g = llm_graph(max_batch=3, queue_length=0).ready()
+    clients = g.new_action_clients(3)
+    for c in clients:
+        assert c.wait_for_server(timeout_sec=10.0)
+    goals = [g.goal(f'w{50 + i} w{20 + i} w9', max_new_tokens=40) for i in range(3)]
+    for goal, phi in zip(goals, (0.3, 0.5, 0.7)):
+        goal.compute_ratio = phi
+    runs = [g.send(goal, client=c) for goal, c in zip(goals, clients)]
+    assert all(r.accepted for r in runs)
+    for r in runs:
+        r.wait(120.0)
+    assert [r.status for r in runs] == [GoalStatus.STATUS_SUCCEEDED] * 3
+    assert [round(r.result.compute_ratio, 3) for r in runs] == [0.3, 0.5, 0.7]
+    last_first = max(r.feedback[0][0] for r in runs)
+    assert all(last_first < r.feedback[-1][0] for r in runs), 'the goals did not overlap'
+    for goal, r in zip(goals, runs):
+        assert g.run(goal).result.text == r.result.text  # alone: the same text
