@@ -8,6 +8,12 @@ Slots hold loaded neurons; ``slot_ids[s]`` is the original neuron id in slot s. 
 active neurons thus always sit in one contiguous prefix: gate/up rows ``gu[:n_active]`` and the
 first ``n_active`` entries of every down row, so a decode step reads exactly the active bytes.
 
+Requests that decode together (a batch's rows, each in its KV slot) share one prefix, the union
+of their neurons (:meth:`SelectiveMLP.place`): a joining request's chosen neurons outside it are
+swapped in right after it, and a float mask row per KV slot (``row_mask`` ``[slots, n_loaded]``)
+marks the slots that request computes; its activations of the others are zeroed before the down
+product. A leaving request's neurons leave the prefix (:meth:`SelectiveMLP.release_row`).
+
 Slots hold float rows, int8 rows with a float32 scale each (``int8`` packed models), or the
 4-bit neuron records whole (``q4`` packed models: ``rec[:n_active]`` is the active prefix).
 
