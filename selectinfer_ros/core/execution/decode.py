@@ -437,8 +437,8 @@ class NativeInt8Step:
         bufs = {name: torch.empty(n, dtype=dtypes.get(name, torch.float32))
                 for name, n in native.scratch_sizes(max_k, teams, d.capacity, batch).items()}
         self._keep = list(bufs.values())
-        self._pos = torch.zeros(batch, dtype=torch.int64)  # per row: position, cache offset,
-        self._off = torch.zeros(batch, dtype=torch.int64)
+        self._pos = torch.zeros(batch, dtype=torch.int64)  # per row: position,
+        self._off = torch.zeros(batch, dtype=torch.int64)  # cache offset,
         self._slots = torch.zeros(batch, dtype=torch.int64)  # KV slot (its mask row)
         m = self.model
         m.batch = batch

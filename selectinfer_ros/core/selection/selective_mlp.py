@@ -402,29 +402,22 @@ class SelectiveMLP(nn.Module):
 
     def place(self, chosen: torch.Tensor) -> None:
         """The dynamic neurons ``chosen`` (slots >= n_static) become those of the request in
-        prefill. Alone (``state.row`` None), or the first row of a batch: swapped into
-        ``[n_static, n_static + e)``. A further row of a batch (its KV slot ``state.row``): the
-        chosen slots already in the shared prefix stay where they are, the others are swapped in
-        right after it, and the prefix grows by them; the row's mask marks its own slots."""
+        prefill (a batch's row: of KV slot ``state.row``): the chosen slots already in the prefix
+        the other rows share stay where they are, the others are swapped in right after it
+        (alone, or the first row: after the static slots), and the prefix grows by them; a row's
+        mask marks its own slots."""
         s, row = self.n_static, self.state.row
-        if row is None or not (self.live - {row}):
-            self._swap_in(chosen, s, chosen.numel())
-            width = s + chosen.numel()
-        else:
-            u = self.width
-            inside, outside = chosen[chosen < u], chosen[chosen >= u]
-            self._swap_in(outside, u, outside.numel())
-            width = u + outside.numel()
+        u = self.width if row is not None and self.live - {row} else s  # the shared prefix
+        inside, outside = chosen[chosen < u], chosen[chosen >= u]
+        self._swap_in(outside, u, outside.numel())
+        width = u + outside.numel()
         if row is None:
             return
         mask = self.row_mask[row]
         mask.zero_()
         mask[:s] = 1.0
-        if self.live - {row}:
-            mask[inside] = 1.0
-            mask[u:width] = 1.0
-        else:
-            mask[s:width] = 1.0
+        mask[inside] = 1.0
+        mask[u:width] = 1.0
         self.live.add(row)
         self.width = width
         self._note_rows()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 import time
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 
@@ -283,41 +284,57 @@ def test_goal_config_refuses_with_reasons(server):
         assert e.value.code == code and needle in e.value.reason
 
 
+def _held_goals(srv, goals: list[tuple[str, GenerationConfig, float,
+                                       Callable[[list[str]], bool] | None]]
+                ) -> tuple[list[GoalJob], list[tuple[str, int]]]:
+    """Submit ``goals`` (prompt, config, compute ratio, cancel: None, or polled with the goal's
+    streamed pieces) while the worker is held in the first one's start, then let it go; wait
+    until all ended. The jobs (each with ``texts``: its streamed pieces) and the ("start" |
+    "end", index) events in order."""
+    hold, events, jobs = threading.Event(), [], []
+    for i, (prompt, cfg, ratio, cancel) in enumerate(goals):
+        def start(i=i) -> None:
+            events.append(("start", i))
+            hold.wait(30.0)
+
+        def end(outcome, i=i) -> None:
+            events.append(("end", i))
+            jobs[i].ended.set()
+
+        texts: list[str] = []
+        stop = (lambda: False) if cancel is None else (lambda c=cancel, t=texts: c(t))
+        job = GoalJob(prompt, cfg, "", ratio, stop, start,
+                      lambda d, n, texts=texts: texts.append(d), end)
+        job.texts, job.ended = texts, threading.Event()
+        srv.admit()
+        srv.submit(job)
+        jobs.append(job)
+    hold.set()
+    assert all(j.ended.wait(60.0) for j in jobs)
+    return jobs, events
+
+
+def _started_before_the_first_end(events: list[tuple[str, int]]) -> set[int]:
+    first_end = events.index(next(e for e in events if e[0] == "end"))
+    return {i for kind, i in events[:first_end] if kind == "start"}
+
+
 def test_goals_decode_together_each_with_its_own_text_and_cancel(batch_server):
     """Four goals submitted while the worker is held: the first three run together (each starts
     before any ends), the fourth joins when a slot frees; a goal canceled in the batch ends
     CANCELED with the text it streamed, the others' texts equal their runs alone; the queue's
     accounting is back to empty."""
     srv = batch_server
-    hold, events = threading.Event(), []
     prompts = ["w10 w11 w12", "w20 w21 w22 w23 w24", "w30", "w40 w41"]
     cfg = GenerationConfig(max_new_tokens=12, ignore_eos=True)
-    clients, jobs = [], []
-    for i, p in enumerate(prompts):
-        c = SimpleNamespace(done=threading.Event(), texts=[])
+    def cancel(texts: list[str]) -> bool:  # the second goal: after its third streamed piece
+        return len(texts) >= 3
 
-        def cancel(c=c, i=i) -> bool:  # the second goal: after its third streamed piece
-            return i == 1 and len(c.texts) >= 3
-
-        def start(i=i) -> None:
-            events.append(("start", i))
-            hold.wait(30.0)
-
-        def done(outcome, c=c, i=i) -> None:
-            events.append(("end", i))
-            c.done.set()
-        job = GoalJob(p, cfg, "", 1.0, cancel, start,
-                      lambda d, n, c=c: c.texts.append(d), done)
-        srv.admit()
-        srv.submit(job)
-        clients.append(c)
-        jobs.append(job)
-    hold.set()
-    assert all(c.done.wait(60.0) for c in clients)
-    first_end = events.index(next(e for e in events if e[0] == "end"))
-    assert {i for kind, i in events[:first_end] if kind == "start"} == {0, 1, 2}, events
+    jobs, events = _held_goals(srv, [(p, cfg, 1.0, cancel if i == 1 else None)
+                                     for i, p in enumerate(prompts)])
+    assert _started_before_the_first_end(events) == {0, 1, 2}, events
     assert jobs[1].outcome.status == "canceled"
-    assert "".join(clients[1].texts) == jobs[1].outcome.result.text
+    assert "".join(jobs[1].texts) == jobs[1].outcome.result.text
     engine = srv.runtime.engine
     for i in (0, 2, 3):
         assert jobs[i].outcome.status == "succeeded"
@@ -330,29 +347,12 @@ def test_goals_with_different_compute_ratios_decode_together(selecting_batch_ser
     their own neurons) start together (each before any ends), each result reports its own
     ratio and its text equals its run alone."""
     srv = selecting_batch_server
-    hold, events, jobs = threading.Event(), [], []
     ratios = (0.3, 0.5, 0.7)
-    for i, r in enumerate(ratios):
-        def start(i=i) -> None:
-            events.append(("start", i))
-            hold.wait(30.0)
-
-        def end(outcome, i=i) -> None:
-            events.append(("end", i))
-            jobs[i].ended.set()
-
-        job = GoalJob(f"w{12 + i} w{30 - i} w{5 * i}",
-                      GenerationConfig(max_new_tokens=10 + 2 * i, ignore_eos=True,
-                                       compute_ratio=r), "", r, lambda: False, start,
-                      lambda d, n: None, end)
-        job.ended = threading.Event()
-        srv.admit()
-        srv.submit(job)
-        jobs.append(job)
-    hold.set()
-    assert all(j.ended.wait(60.0) for j in jobs)
-    first_end = events.index(next(e for e in events if e[0] == "end"))
-    assert {i for kind, i in events[:first_end] if kind == "start"} == {0, 1, 2}, events
+    jobs, events = _held_goals(srv, [
+        (f"w{12 + i} w{30 - i} w{5 * i}",
+         GenerationConfig(max_new_tokens=10 + 2 * i, ignore_eos=True, compute_ratio=r), r, None)
+        for i, r in enumerate(ratios)])
+    assert _started_before_the_first_end(events) == {0, 1, 2}, events
     engine = srv.runtime.engine
     for j, r in zip(jobs, ratios):
         assert j.outcome.status == "succeeded" and j.outcome.compute_ratio == r

@@ -82,6 +82,7 @@
 #endif
 
 #define QK 32
+#define SI_MAX_BATCH 64 /* rows of one batched decode step */
 #ifndef PF
 #define PF 1024 /* bytes ahead of each weight row's read: the rows are short streams */
 #endif
@@ -2067,7 +2068,11 @@ static void mlp_rows_q4(const si_model *m, const si_model *R, const si_layer *L,
        its own partial sums (q4_part). */
     int64_t g0, g1;
     share((k + DG - 1) / DG, t, nt, &g0, &g1);
-    for (int64_t b = 0; b < B; b++) memset(q4_part(&R[b], t), 0, (size_t)H * sizeof(float));
+    const float *mks[SI_MAX_BATCH]; /* each row's mask (NULL: none) */
+    for (int64_t b = 0; b < B; b++) {
+        memset(q4_part(&R[b], t), 0, (size_t)H * sizeof(float));
+        mks[b] = row_mask(m, L, b);
+    }
     for (int64_t g = g0; g < g1; g++) {
         int64_t n0 = g * DG, G = k - n0 < DG ? k - n0 : DG;
         for (int64_t n = n0; n < n0 + G; n++) {
@@ -2078,7 +2083,7 @@ static void mlp_rows_q4(const si_model *m, const si_model *R, const si_layer *L,
                     __builtin_prefetch(r + PF_RECORDS * RL + o, 0, 2);
             for (int64_t b = 0; b < B; b++) {
                 const si_model *rb = &R[b];
-                const float *mk = row_mask(m, L, b);
+                const float *mk = mks[b];
                 float gv, uv;
                 if (mk && mk[n] == 0.0f) { /* another row's neuron: not computed for this one */
                     rb->a[n] = 0.0f;
@@ -2315,7 +2320,6 @@ static double now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-#define SI_MAX_BATCH 64
 
 /* x [B, H]: the batch rows' token embeddings in, the last layer's outputs out; row b at position
    pos[b] with its KV cache off[b] floats into every layer's k_cache and v_cache. A batch reads
