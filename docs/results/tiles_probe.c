@@ -1,4 +1,4 @@
-/* The int8 product of the kernel (selectinfer_ros/core/format/kernels/int8_decode.c) with the
+/* The int8 product of the kernel (selectinfer_ros/core/format/kernels/kernel.c) with the
    weights held as tiles (si_tile_linear) against the same weights as rows (si_linear_i8), for
    1..M activation rows: the output layer of a decode step (M = 1), of a batch of goals (M = 2-4),
    and a prompt's chunk. Default shape: Gemma 3 270M's output layer (262144 x 640, 168 MB).
@@ -9,7 +9,7 @@
      /tmp/tiles_probe [N K threads max_rows]      # 262144 640 1 5
    Another path: the kernel's flags instead of -march=native (kernel.py ISAS), e.g.
    -mavx2 -mfma -mf16c for the AVX2 path. */
-#include "int8_decode.c"
+#include "kernel.c"
 #include <stdio.h>
 
 int main(int argc, char **argv) {

@@ -2,7 +2,7 @@
 
 A weight row (a gate or up row, a down column, an attention or output row) is stored as int8
 with one float32 scale: ``w ~= q * scale``, ``|q| <= 127``. On CPUs the product runs in a small C
-kernel of this package (``kernels/int8_decode.c``: activations quantized per block of 32 like
+kernel of this package (``kernels/kernel.c``: activations quantized per block of 32 like
 llama.cpp's Q8_0, int8 dot products with the best instructions the CPU has), built and checked
 by :mod:`.kernel` and called through ctypes; the same library runs a whole decode step of an
 int8 model (:class:`.decode.NativeInt8Step`). Where it cannot be built (no compiler) or breaks

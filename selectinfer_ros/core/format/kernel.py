@@ -1,4 +1,4 @@
-"""The C kernel library (``kernels/int8_decode.c``: int8 and 4-bit row products, the decode
+"""The C kernel library (``kernels/kernel.c`` and the parts it includes: int8 and 4-bit row products, the decode
 step of int8 and 4-bit models): built for the CPU at hand, loaded, checked.
 
 The instruction set is chosen from what the CPU lists (``/proc/cpuinfo``): the first of
@@ -24,7 +24,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("kernels") / "int8_decode.c"
+SOURCE = Path(__file__).with_name("kernels") / "kernel.c"  # includes the other files of kernels/
+
+
+def source_bytes() -> bytes:
+    """Every source file of the library (kernel.c includes the others), for the build's hash."""
+    return b"".join(f.name.encode() + f.read_bytes() for f in sorted(SOURCE.parent.iterdir())
+                    if f.suffix in (".c", ".h"))
 ABI_VERSION = 15
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
@@ -229,9 +235,9 @@ def load(cc: str | None = None, isa: str | None = None, cache: Path | None = Non
     for name, isa_flags in candidates(forced=isa or os.environ.get(ISA_ENV) or None):
         for openmp in (True, False):
             cflags = BASE_FLAGS + (["-fopenmp"] if openmp else []) + isa_flags + list(extra_flags)
-            tag = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc] + cflags).encode()
+            tag = hashlib.sha256(source_bytes() + " ".join([cc] + cflags).encode()
                                  ).hexdigest()[:16]
-            out = cache / f"int8_decode-{machine}-{name}-{tag}.so"
+            out = cache / f"selectinfer_kernel-{machine}-{name}-{tag}.so"
             failed = out.with_suffix(".failed")  # this compiler cannot build it: not again
             if not out.exists():
                 err = failed.read_text() if failed.exists() else _compile(cc, cflags, out)

@@ -17,7 +17,7 @@
      with the argument "candidates" (test_kernel.py) then "candt <pos> <counts>" /
      "cand4t <pos> <counts>": the candidates (|act(gate)| over its threshold, up row read),
    all from a fixed pseudo-random sequence, as %a (exact) floats. */
-#include "int8_decode.c"
+#include "kernel.c"
 
 #include <stdio.h>
 

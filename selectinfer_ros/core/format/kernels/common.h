@@ -1,0 +1,149 @@
+/* Shared by every product: the instruction-set path, the activations' quantization per block
+   of 32 (int8 values, a float scale, their sum), threads. Part of kernel.c (one translation
+   unit). */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#ifndef SI_ABI_VERSION
+#define SI_ABI_VERSION 15
+#endif
+
+#if defined(SI_PLAIN)
+#define SI_ISA "plain"
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SI_AVX512 1
+#define SI_VNNI512 1
+#define SI_ISA "avx512vnni"
+#elif defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__) && \
+    defined(__F16C__)
+#define SI_AVX512 1
+#define SI_ISA "avx512bw"
+#elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SI_AVX2 1
+#define SI_AVXVNNI 1
+#define SI_ISA "avxvnni"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SI_AVX2 1
+#define SI_ISA "avx2"
+#elif defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+#define SI_NEON_DOT 1
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+#define SI_ISA "neon-i8mm"
+#else
+#define SI_ISA "neon-dotprod"
+#endif
+#else
+#define SI_ISA "plain"
+#endif
+
+#if defined(SI_AVX512) || defined(SI_AVX2)
+#include <immintrin.h>
+#endif
+#ifdef SI_NEON_DOT
+#include <arm_neon.h>
+#endif
+
+#define QK 32
+#define SI_MAX_BATCH 64 /* rows of one batched decode step */
+#ifndef PF
+#define PF 1024 /* bytes ahead of each weight row's read: the rows are short streams */
+#endif
+/* The prefetch PF bytes ahead of offset o of a row of nfull blocks: past the row's end it goes
+   on at the next row read, ldw bytes after this one's start (a prefix of wider rows: the active
+   columns of the down projection; per-token selection: the next candidate's up row), not into
+   the bytes between. */
+#define PF_SKIP(ldw, nfull) ((ldw) > (nfull) * QK ? (ldw) - (nfull) * QK : 0)
+#define PF_AT(w, o, nfull, skip) \
+    ((w) + (o) + PF + ((o) + PF >= (nfull) * QK ? (skip) : 0))
+
+/* x [K] blocks [b0, b1) -> xq (zero padded to whole blocks), xd block scales, xs (NULL: not
+   wanted) the blocks' sums of xq (the 4-bit products take 8 * xs off, see q4_row). */
+static void quantize_blocks(const float *x, int64_t K, int64_t b0, int64_t b1, int8_t *xq,
+                            float *xd, int32_t *xs) {
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t lo = b * QK, hi = lo + QK < K ? lo + QK : K;
+        float amax = 0.0f;
+        for (int64_t k = lo; k < hi; k++) {
+            float a = fabsf(x[k]);
+            amax = a > amax ? a : amax;
+        }
+        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        xd[b] = d;
+        int32_t sum = 0;
+        for (int64_t k = lo; k < lo + QK; k++) {
+            xq[k] = k < hi ? (int8_t)lrintf(x[k] * id) : 0;
+            sum += xq[k];
+        }
+        if (xs) xs[b] = sum;
+    }
+}
+
+/* x [K] -> xq [nb * QK] int8 (zero padded), xd [nb] block scales; nb = ceil(K / QK). */
+static void quantize_row(const float *x, int64_t K, int8_t *xq, float *xd) {
+    quantize_blocks(x, K, 0, (K + QK - 1) / QK, xq, xd, NULL);
+}
+
+/* Pair order, the activations as the 4-bit row products read them: blocks 2p and 2p + 1 of
+   nb are stored as [x_2p[0:16], x_2p+1[0:16], x_2p[16:32], x_2p+1[16:32]] (the low and the high
+   nibbles of two blocks' 32 bytes line up with the first and second half); a last unpaired
+   block stays as it is. xq_lo(b, nb): where block b's values 0-15 start (16-31 start at
+   xq_hi). */
+static inline int64_t xq_lo(int64_t b, int64_t nb) {
+    return (b | 1) < nb ? (b >> 1) * 2 * QK + (b & 1) * 16 : b * QK;
+}
+static inline int64_t xq_hi(int64_t b, int64_t nb) {
+    return xq_lo(b, nb) + ((b | 1) < nb ? QK : 16);
+}
+
+/* Blocks [b0, b1) of xq (b0 even) from natural into pair order. */
+static void pair_blocks(int8_t *xq, int64_t b0, int64_t b1, int64_t nb) {
+    for (int64_t b = b0; b + 1 < b1 && b + 1 < nb; b += 2) {
+        int8_t t[2 * QK];
+        memcpy(t, xq + b * QK, sizeof t);
+        int8_t *o = xq + b * QK;
+        memcpy(o, t, 16);
+        memcpy(o + 16, t + QK, 16);
+        memcpy(o + QK, t + 16, 16);
+        memcpy(o + QK + 16, t + QK + 16, 16);
+    }
+}
+
+/* Threads: without OpenMP every call runs on one. */
+static int clamp_threads(int threads) {
+#ifdef _OPENMP
+    return threads < 1 ? 1 : threads;
+#else
+    (void)threads;
+    return 1;
+#endif
+}
+
+static inline int team_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static inline int team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+/* [lo, hi) of n items for member t of a team of nt: contiguous, sizes differ by at most 1. */
+static inline void share(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
+    *lo = n * t / nt;
+    *hi = n * (t + 1) / nt;
+}
