@@ -36,7 +36,8 @@ setup(
     name=package_name,
     version='0.1.0',
     packages=find_packages(exclude=['test', 'test.*']),
-    package_data={package_name: ['data/*/*.jsonl', 'data/examples/*', 'core/format/kernels/*.c']},
+    package_data={package_name: ['data/*/*.jsonl', 'data/examples/*', 'core/format/kernels/*.c',
+                                'core/format/kernels/*.h']},
     data_files=data_files,
     install_requires=[
         'setuptools',
