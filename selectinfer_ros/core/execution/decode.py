@@ -463,7 +463,7 @@ class NativeInt8Step:
                     b = lin.bias.float().contiguous()
                     self._keep.append(b)
                     bias = b.data_ptr()
-                if isinstance(lin, q4.Q4Linear):  # nibbles [n, k / 2], float16 scales [n, k / 32]
+                if isinstance(lin, q4.Q4Linear):  # nibbles [n, k / 2], heads [n, ceil(k / 256) * 16]
                     setattr(c, name, native.Mat(w.data_ptr(), None, w.shape[0], lin.in_features,
                                                 w.stride(0), lin.scale.data_ptr(), lin.scale.stride(0),
                                                 bias))
@@ -480,7 +480,7 @@ class NativeInt8Step:
             c.window = l.window or 0
             mlp = l.mlp
             if mlp.rec is not None:  # 4-bit records, read in place
-                if mlp.rec.stride(1) != 1 or H % 32:
+                if mlp.rec.stride(1) != 1 or H % 64:
                     raise ValueError(f"layer {i}: 4-bit records in an unexpected layout")
                 c.rec, c.rec_ld = mlp.rec.data_ptr(), mlp.rec.stride(0)
                 c.gu = c.gu_scale = c.up = c.up_scale = c.down = c.down_scale = None

@@ -31,7 +31,7 @@ def source_bytes() -> bytes:
     """Every source file of the library (kernel.c includes the others), for the build's hash."""
     return b"".join(f.name.encode() + f.read_bytes() for f in sorted(SOURCE.parent.iterdir())
                     if f.suffix in (".c", ".h"))
-ABI_VERSION = 15
+ABI_VERSION = 16
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
 # (name, cpuinfo flags it needs, compiler flags), best first, per machine

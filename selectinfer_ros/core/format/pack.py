@@ -10,14 +10,15 @@ A packed model folder holds:
   loading a subset of neurons reads only those records. With int8 weights (``pack --weights
   int8``) a record is ``uint8 [3 * H + 12]``: the three rows as int8, then their three float32
   scales, so a neuron is still one contiguous read. With 4-bit weights (``pack --weights q4``,
-  blocks of 32 with a float16 scale, llama.cpp's Q4_0 values, :mod:`.q4`) a record is
-  ``uint8 [27 * H / 16]``: the nibbles of the gate row, the up row and the down column
-  (``H / 2`` bytes each, blocks along H), then their float16 block scales (``H / 32`` each);
+  super-blocks of 256 with 6-bit sub-block scales and offsets, llama.cpp's Q4_K values,
+  :mod:`.q4`) a record is ``uint8 [3 * (H / 2 + 16 * ceil(H / 256))]``: the nibbles of the gate
+  row, the up row and the down column (``H / 2`` bytes each, along H), then their heads;
 - int8 weights also store the attention projections and the output layer / token embedding as
   int8 ``<name>.weight`` with a float32 per-row ``<name>.scale`` (``--weights int8-ffn``: only the
   neuron records are int8); ``q4`` keeps them int8 (4-bit attention and output rows cost too
   much agreement on the embedded model), ``q4-all`` stores them as 4-bit rows too: uint8
-  nibbles ``<name>.weight`` ``[N, K / 2]`` and float16 ``<name>.scale`` ``[N, K / 32]``;
+  nibbles ``<name>.weight`` ``[N, K / 2]`` and uint8 heads ``<name>.scale``
+  ``[N, 16 * ceil(K / 256)]``;
   ``int8-q4emb`` keeps int8 neuron records and attention and stores only the token embedding /
   output layer as 4-bit rows (the bytes of a small model with a large vocabulary);
 - ``checksums.safetensors``: int64 word sums of every neuron record (``layers.<l>.neurons``
@@ -46,7 +47,7 @@ from .safetensors_io import CountingReader, FormatError, StreamWriter, read_head
 from .weights import INT8_WEIGHTS, QUANTIZED_OTHER, Q4_WEIGHTS, WEIGHTS
 
 FORMAT = "selectinfer-packed"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: 4-bit rows as super-blocks (Q4_K values), was Q4_0
 MANIFEST = "manifest.json"
 FFN_FILE = "ffn.safetensors"
 OTHER_FILE = "model.safetensors"
@@ -281,38 +282,37 @@ def int8_records(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> to
 
 
 def q4_record_bytes(hidden: int) -> int:
-    """Bytes of a 4-bit neuron record: three rows of ``H / 2`` nibble bytes and ``H / 32``
-    float16 scales."""
-    return 3 * (hidden // 2 + hidden // 32 * 2)
+    """Bytes of a 4-bit neuron record: three rows of ``H / 2`` nibble bytes and ``ceil(H / 256)``
+    16-byte heads (:mod:`.q4`)."""
+    from .q4 import row_bytes
+    return 3 * sum(row_bytes(hidden))
 
 
-def q4_records(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """Neuron records with 4-bit rows: uint8 ``[I, 27 * H / 16]`` from gate, up ``[I, H]`` and
-    down ``[H, I]``: the nibbles of gate row, up row and down column (blocks of 32 along H),
-    then their float16 block scales (layout of :func:`.q4.quantize`)."""
-    from .q4 import QK, quantize
+def q4_records(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+               importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Neuron records with 4-bit rows: uint8 ``[I, q4_record_bytes(H)]`` from gate, up ``[I, H]``
+    and down ``[H, I]``: the nibbles of gate row, up row and down column (along H), then their
+    heads (layout of :func:`.q4.quantize`); ``importance`` ``[H]`` weighs the gate and up rows'
+    columns (the mean square of the MLP's input), when known."""
+    from .q4 import check_width, quantize
     I, H = gate.shape
-    if H % QK:
-        raise ValueError(f"4-bit neuron records need a hidden size that is a multiple of {QK}, "
-                         f"got {H}")
-    nib, d = quantize(torch.stack([gate, up, down.t()], dim=1).reshape(3 * I, H), fit=True)
-    return torch.cat([nib.view(I, 3 * H // 2), d.view(torch.uint8).view(I, -1)], dim=1)
+    check_width(H)
+    nib_gu, head_gu = quantize(torch.cat([gate, up]), importance)  # [2I, H / 2], [2I, hb]
+    nib_d, head_d = quantize(down.t().contiguous())
+    return torch.cat([nib_gu[:I], nib_gu[I:], nib_d, head_gu[:I], head_gu[I:], head_d], dim=1)
 
 
 def q4_record_rows(raw: torch.Tensor, hidden: int) -> torch.Tensor:
     """The float32 rows ``[n, 3, H]`` (gate, up, down column) that 4-bit records ``raw`` hold."""
-    from .q4 import dequantize
-    n, H = raw.shape[0], hidden
-    nib = raw[:, :3 * H // 2].reshape(3 * n, H // 2)
-    d = raw[:, 3 * H // 2:].contiguous().view(torch.float16).reshape(3 * n, -1)
-    return dequantize(nib, d).view(n, 3, H)
+    from .q4 import dequantize, record_parts
+    return torch.stack([dequantize(*record_parts(raw, hidden, r)) for r in range(3)], dim=1)
 
 
 def is_q4_other(name: str, shape: tuple[int, ...], weights: str) -> bool:
     """A non-FFN tensor that ``weights`` stores as 4-bit rows: with ``q4-all`` the ones
     :func:`is_int8_other` names, with ``int8-q4emb`` the token embedding and output layer
-    (others: none; rows whose length is not a multiple of 32 stay int8)."""
-    if not is_int8_other(name, shape) or shape[1] % 32:
+    (others: none; rows whose length is not a multiple of 64 stay int8)."""
+    if not is_int8_other(name, shape) or shape[1] % 64:
         return False
     return weights == "q4-all" or (weights == "int8-q4emb" and not name.endswith("_proj.weight"))
 
@@ -351,9 +351,9 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
 
     meta = {"fingerprint": fp, "format": FORMAT, "version": str(FORMAT_VERSION)}
     int8_ffn, q4_ffn = weights in INT8_WEIGHTS, weights in Q4_WEIGHTS
-    if q4_ffn and H % 32:
+    if q4_ffn and H % 64:
         raise ValueError(f"--weights {weights}: 4-bit records need a hidden size that is a "
-                         f"multiple of 32, {src} has {H}")
+                         f"multiple of 64, {src} has {H}")
     rec_spec = ((torch.uint8, (I, q4_record_bytes(H))) if q4_ffn else
                 (torch.uint8, (I, 3 * H + 12)) if int8_ffn else (dtype, (I, 3, H)))
     ffn = StreamWriter(tmp / FFN_FILE, {neuron_key(l): rec_spec for l in range(L)}, meta)
@@ -379,8 +379,10 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
     for k in others:
         shape = tuple(where[k].get_slice(k).get_shape())
         if is_q4_other(k, shape, weights):
-            specs[k] = (torch.uint8, (shape[0], shape[1] // 2))
-            specs[k.removesuffix(".weight") + ".scale"] = (torch.float16, (shape[0], shape[1] // 32))
+            from .q4 import row_bytes
+            nib, head = row_bytes(shape[1])
+            specs[k] = (torch.uint8, (shape[0], nib))
+            specs[k.removesuffix(".weight") + ".scale"] = (torch.uint8, (shape[0], head))
         elif weights in QUANTIZED_OTHER and is_int8_other(k, shape):
             specs[k] = (torch.int8, shape)
             specs[k.removesuffix(".weight") + ".scale"] = (torch.float32, shape[:1])
@@ -391,8 +393,8 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
         t = where[k].get_tensor(k)
         if specs[k][0] == torch.uint8:
             from .q4 import quantize
-            nib, d = quantize(t, fit=True)
-            parts = {k: nib, k.removesuffix(".weight") + ".scale": d}
+            nib, head = quantize(t)
+            parts = {k: nib, k.removesuffix(".weight") + ".scale": head}
         elif specs[k][0] == torch.int8:
             from .int8 import quantize_rows
             q, scale = quantize_rows(t)

@@ -1,15 +1,26 @@
-"""4-bit rows in blocks of 32 (llama.cpp's Q4_0 values): the quantizer and the product.
+"""4-bit rows in super-blocks of 256 (llama.cpp's Q4_K values): the quantizer and the product.
 
-A row of ``K`` weights (``K`` a multiple of 32) is stored as ``K / 2`` bytes of nibbles and
-``K / 32`` float16 scales: per block, ``w ~= q * d`` with ``q`` in ``[-8, 7]`` and ``d`` the
-block's largest-magnitude weight over -8 (so that weight is exact). Byte ``j`` of a block holds
-``q[j] + 8`` in its low nibble and ``q[j + 16] + 8`` in its high one. 4.5 bits per weight.
+A row of ``K`` weights (``K`` a multiple of 64) is stored as ``K / 2`` bytes of nibbles and,
+per super-block of up to 256 weights, a 16-byte head: float16 ``d`` and ``dmin``, then 12 bytes
+holding a 6-bit scale ``sc`` and a 6-bit minimum ``m`` for each of its sub-blocks of 32
+(llama.cpp's packing, :func:`pack_scales`). Weight ``i`` of sub-block ``j`` is
+``d * sc[j] * q[i] - dmin * m[j]`` with ``q`` in ``[0, 15]``: an asymmetric block (a scale and
+an offset), whose error is about a fifth below a symmetric one (Q4_0) of the same size, 4.5 bits
+per weight. Nibbles: byte ``j`` of the 32 bytes of each 64 weights holds weight ``j`` in its low
+nibble and weight ``j + 32`` in its high one (sub-block ``2c`` in the low, ``2c + 1`` in the
+high nibbles of chunk ``c``), so both line up with activations in their natural order. A last
+super-block of fewer than 256 weights (H = 640, 896) has fewer sub-blocks; its head is whole.
 
-The product runs in the C kernel (``si_linear_q4``: activations quantized per block of 32 to
-int8, integer block dot products with the CPU's instructions), else on the dequantized rows.
-4-bit neuron records (:func:`.pack.q4_records`) hold gate row, up row and down column as
-such rows; :func:`records_linear` and :func:`records_down` are their products (the decode
-step of a 4-bit model runs them inside the kernel's ``si_decode_layers``).
+The quantizer (:func:`quantize`) is llama.cpp's ``make_qkx2_quants`` search: per sub-block the
+scale and offset of least weighted squared error among 21 candidate scales (weights ``|w| +
+rms``, or with ``importance`` per column, e.g. the mean square of the activations a row meets,
+``importance * sqrt(sigma^2 + w^2)``), then the sub-block scales and offsets rounded to 6 bits
+against the super-block's largest. The product runs in the C kernel (``si_linear_q4``:
+activations quantized per block of 32 to int8, each sub-block's integer dot product with the
+nibbles, ``d * sc`` and ``dmin * m * sum(x)`` applied per sub-block), else on the dequantized
+rows. 4-bit neuron records (:func:`.pack.q4_records`) hold gate row, up row and down column as
+such rows; :func:`records_linear` and :func:`records_down` are their products (the decode step
+of a 4-bit model runs them inside the kernel's ``si_decode_layers``).
 """
 from __future__ import annotations
 
@@ -18,77 +29,138 @@ from torch import nn
 
 from . import kernel as _kernel
 
-QK = 32
+QK = 32  # weights per sub-block (and per block of the quantized activations)
+QS = 256  # weights per super-block (one head)
+HEAD = 16  # bytes of a super-block's head: d, dmin (float16), 12 bytes of 6-bit scales / mins
+SEARCH_STEPS = 20  # candidate scales per sub-block beyond the first (make_qkx2_quants)
 
 
-FIT_FACTORS = (0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1)  # candidate scales, times the peak's
+def row_bytes(k: int) -> tuple[int, int]:
+    """(nibble bytes, head bytes) of one row of ``k`` weights."""
+    return k // 2, -(-k // QS) * HEAD
 
 
-def _fit_scales(b: torch.Tensor, d0: torch.Tensor) -> torch.Tensor:
-    """Per block (``b`` ``[n, nb, 32]`` float32), the float16 scale of least squared error among
-    the peak scale ``d0`` ``[n, nb]`` and, for each of :data:`FIT_FACTORS`, the least-squares
-    scale of the values rounded at ``d0 * factor`` (as llama.cpp's ``make_qx_quants``)."""
-    def err(d: torch.Tensor) -> torch.Tensor:
-        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-        q = torch.round(b * inv[..., None]).clamp_(-8, 7)
-        return (b - q * d[..., None]).square().sum(-1)
-    best, best_err = d0, err(d0)
-    for f in FIT_FACTORS:
-        d = d0 * f
-        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-        q = torch.round(b * inv[..., None]).clamp_(-8, 7)
-        den = q.square().sum(-1)
-        d = torch.where(den > 0, (b * q).sum(-1) / den.clamp_min(1e-30), d).half().float()
-        e = err(d)
-        better = e < best_err
-        best, best_err = torch.where(better, d, best), torch.where(better, e, best_err)
-    return best
+def check_width(k: int) -> None:
+    if k % (2 * QK):
+        raise ValueError(f"4-bit rows need a multiple of {2 * QK} columns, got {k}")
 
 
-def quantize(w: torch.Tensor, fit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` ``[N, K]`` -> ``(nibbles uint8 [N, K / 2], scales float16 [N, K / 32])``. Each
-    block's scale is its peak weight over -8 (that weight exact), or with ``fit`` the scale of
-    least squared error found by :func:`_fit_scales` (the packs use it; same layout)."""
+def _fit_blocks(x: torch.Tensor, wt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sub-block (``x``, ``wt`` ``[n, 32]``): the scale and the offset (>= 0, subtracted) of
+    least weighted squared error with ``q`` in [0, 15] among ``SEARCH_STEPS + 1`` candidates
+    around ``15 / (max - min)`` (llama.cpp's ``make_qkx2_quants``, rmin -1, rdelta 0.1)."""
+    mn = x.amin(1).clamp(max=0.0)
+    rng = x.amax(1) - mn
+    flat = rng <= 0
+    rng = torch.where(flat, torch.ones_like(rng), rng)
+    sum_w, sum_x = wt.sum(1), (wt * x).sum(1)
+    scale = rng / 15.0
+    q = torch.round((x - mn[:, None]) / scale[:, None]).clamp_(0, 15)
+    best_min = mn.clone()
+    err = (wt * (scale[:, None] * q + mn[:, None] - x).square()).sum(1)
+    for i in range(SEARCH_STEPS + 1):
+        q = torch.round((x - mn[:, None]) * ((14.0 + 0.1 * i) / rng)[:, None]).clamp_(0, 15)
+        sl, sl2, sxl = (wt * q).sum(1), (wt * q * q).sum(1), (wt * q * x).sum(1)
+        det = sum_w * sl2 - sl * sl
+        ok = det > 0
+        det = torch.where(ok, det, torch.ones_like(det))
+        ts = (sum_w * sxl - sum_x * sl) / det
+        tm = (sl2 * sum_x - sl * sxl) / det
+        pos = tm > 0  # an offset above zero: refit the scale alone
+        ts = torch.where(pos, sxl / sl2.clamp_min(1e-30), ts)
+        tm = torch.where(pos, torch.zeros_like(tm), tm)
+        e = (wt * (ts[:, None] * q + tm[:, None] - x).square()).sum(1)
+        better = ok & (e < err)
+        err = torch.where(better, e, err)
+        scale = torch.where(better, ts, scale)
+        best_min = torch.where(better, tm, best_min)
+    return torch.where(flat, torch.zeros_like(scale), scale), -best_min
+
+
+def pack_scales(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
+    """6-bit scales and minimums ``[n, 8]`` -> ``[n, 12]`` bytes (llama.cpp's Q4_K packing:
+    sub-blocks 0-3 in the low 6 bits of bytes 0-3 / 4-7, 4-7 in the nibbles of bytes 8-11 and
+    the top 2 bits of bytes 0-7)."""
+    ls, lm = ls.to(torch.int32), lm.to(torch.int32)
+    out = torch.zeros(ls.shape[0], 12, dtype=torch.int32)
+    out[:, 0:4] = ls[:, 0:4] | ((ls[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = lm[:, 0:4] | ((lm[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (ls[:, 4:8] & 15) | ((lm[:, 4:8] & 15) << 4)
+    return out.to(torch.uint8)
+
+
+def unpack_scales(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n, 12]`` bytes -> 6-bit scales and minimums ``[n, 8]`` (int32)."""
+    p = p.to(torch.int32)
+    ls = torch.cat([p[:, 0:4] & 63, (p[:, 8:12] & 15) | ((p[:, 0:4] >> 6) << 4)], 1)
+    lm = torch.cat([p[:, 4:8] & 63, (p[:, 8:12] >> 4) | ((p[:, 4:8] >> 6) << 4)], 1)
+    return ls, lm
+
+
+def quantize(w: torch.Tensor, importance: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``[N, K]`` -> ``(nibbles uint8 [N, K / 2], heads uint8 [N, ceil(K / 256) * 16])``;
+    ``importance`` ``[K]`` (optional) weighs each column's squared error."""
     N, K = w.shape
-    if K % QK:
-        raise ValueError(f"4-bit rows need a multiple of {QK} columns, got {K}")
-    if fit and N * K > 1 << 22:  # in row chunks: the search holds a few copies of the rows
-        step = max(1, (1 << 22) // K)
-        parts = [quantize(w[i:i + step], fit=True) for i in range(0, N, step)]
-        return torch.cat([p for p, _ in parts]), torch.cat([d for _, d in parts])
-    b = w.float().reshape(N, K // QK, QK)
-    idx = b.abs().argmax(dim=-1, keepdim=True)
-    d = (b.gather(-1, idx) / -8.0).squeeze(-1).to(torch.float16)  # [N, nb]
-    if fit:
-        d = _fit_scales(b, d.float()).to(torch.float16)
-    df = d.float()
-    inv = torch.where(df != 0, 1.0 / df, torch.zeros_like(df))
-    q = torch.round(b * inv[..., None]).clamp_(-8, 7).to(torch.int16) + 8  # [N, nb, 32] in 0..15
-    packed = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)  # [N, nb, 16]
-    return packed.reshape(N, K // 2), d
+    check_width(K)
+    if N * K > 1 << 21:  # in row chunks: the search holds a few copies of the rows
+        step = max(1, (1 << 21) // K)
+        parts = [quantize(w[i:i + step], importance) for i in range(0, N, step)]
+        return torch.cat([p for p, _ in parts]), torch.cat([h for _, h in parts])
+    nsb = -(-K // QS)
+    pad = nsb * QS - K
+    wf = torch.nn.functional.pad(w.float(), (0, pad))  # [N, nsb * 256], a last partial one padded
+    x = wf.reshape(-1, QK)  # sub-blocks
+    if importance is None:
+        wt = x.square().mean(1, keepdim=True).sqrt() + x.abs()
+    else:
+        imp = torch.nn.functional.pad(importance.float().clamp_min(0), (0, pad))
+        xs = wf.view(N, nsb, QS)
+        sigma2 = 2.0 * xs.square().sum(-1, keepdim=True) / QS
+        wt = (imp.view(1, nsb, QS) * (sigma2 + xs.square()).sqrt()).reshape(-1, QK)
+    sc, mn = _fit_blocks(x, wt)
+    sc, mn = sc.view(N * nsb, 8), mn.view(N * nsb, 8)
+    d = (sc.amax(1) / 63.0).half()
+    dmin = (mn.amax(1) / 63.0).half()
+    df, dmf = d.float()[:, None], dmin.float()[:, None]
+    ls = torch.where(df > 0, torch.round(sc / torch.where(df > 0, df, 1.0)), 0.0).clamp_(0, 63)
+    lm = torch.where(dmf > 0, torch.round(mn / torch.where(dmf > 0, dmf, 1.0)), 0.0).clamp_(0, 63)
+    step = (df * ls).reshape(-1, 1)  # each sub-block's scale and offset as stored
+    off = (dmf * lm).reshape(-1, 1)
+    q = torch.where(step > 0, torch.round((x + off) / torch.where(step > 0, step, 1.0)), 0.0)
+    q = q.clamp_(0, 15).to(torch.uint8).view(N, nsb * QS)[:, :K].reshape(N, K // 64, 2, 32)
+    nib = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(N, K // 2)
+    head = torch.cat([torch.stack([d, dmin], 1).view(torch.uint8), pack_scales(ls, lm)], 1)
+    return nib.contiguous(), head.reshape(N, nsb * HEAD).contiguous()
 
 
-def dequantize(packed: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """The float32 rows ``[N, K]`` that ``quantize`` stored."""
-    N = packed.shape[0]
-    nb = d.shape[1]
-    p = packed.reshape(N, nb, 16).to(torch.int16)
-    q = torch.cat([p & 15, p >> 4], dim=-1).float() - 8.0  # [N, nb, 32]
-    return (q * d.float()[..., None]).reshape(N, nb * QK)
+def dequantize(packed: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """The float32 rows ``[N, K]`` that :func:`quantize` stored."""
+    N, K = packed.shape[0], packed.shape[1] * 2
+    nsb = heads.shape[1] // HEAD
+    h = heads.reshape(N * nsb, HEAD)
+    dd = h[:, :4].contiguous().view(torch.float16).float()  # [N * nsb, 2]: d, dmin
+    ls, lm = unpack_scales(h[:, 4:])
+    step = (dd[:, :1] * ls).view(N, nsb * 8)[:, :K // QK]  # per sub-block
+    off = (dd[:, 1:] * lm).view(N, nsb * 8)[:, :K // QK]
+    p = packed.reshape(N, K // 64, 1, 32)
+    q = torch.cat([p & 15, p >> 4], 2).reshape(N, K // QK, QK).float()
+    return (q * step[..., None] - off[..., None]).reshape(N, K)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """``x [..., K] @ dequantize(packed, d).T`` -> ``[..., N]`` in ``x``'s dtype."""
-    N, K = packed.shape[0], d.shape[1] * QK
+def linear(x: torch.Tensor, packed: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ dequantize(packed, heads).T`` -> ``[..., N]`` in ``x``'s dtype."""
+    N, K = packed.shape[0], packed.shape[1] * 2
     k = _kernel.kernel() if x.device.type == "cpu" else None
-    if k is None or packed.stride(1) != 1 or d.stride(1) != 1:
-        return nn.functional.linear(x, dequantize(packed, d).to(x.dtype))
+    if k is None or packed.stride(1) != 1 or heads.stride(1) != 1:
+        return nn.functional.linear(x, dequantize(packed, heads).to(x.dtype))
     x2 = x.reshape(-1, K)
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()
     y = torch.empty(x2.shape[0], N, dtype=torch.float32)
-    rc = k.lib.si_linear_q4(x2.data_ptr(), x2.shape[0], K, packed.data_ptr(), d.data_ptr(), N,
-                            packed.stride(0), d.stride(0), y.data_ptr(), torch.get_num_threads())
+    rc = k.lib.si_linear_q4(x2.data_ptr(), x2.shape[0], K, packed.data_ptr(), heads.data_ptr(),
+                            N, packed.stride(0), heads.stride(0), y.data_ptr(),
+                            torch.get_num_threads())
     if rc != 0:
         raise MemoryError("4-bit kernel: out of memory for the quantized activations")
     y = y.view(*x.shape[:-1], N)
@@ -96,20 +168,20 @@ def linear(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor) -> torch.Tens
 
 
 class Q4Linear(nn.Module):
-    """A linear layer over 4-bit rows (``weight`` uint8 ``[N, K / 2]``, ``scale`` float16
-    ``[N, K / 32]``), with an optional float ``bias`` ``[N]`` (Qwen2's q/k/v projections; None:
-    none), stored as in the checkpoint under ``<name>.bias``."""
+    """A linear layer over 4-bit rows (``weight`` uint8 ``[N, K / 2]``, ``scale`` uint8 heads
+    ``[N, ceil(K / 256) * 16]``), with an optional float ``bias`` ``[N]`` (Qwen2's q/k/v
+    projections; None: none), stored as in the checkpoint under ``<name>.bias``."""
 
     def __init__(self, out_features: int, in_features: int, device: torch.device | str = "cpu",
                  bias: bool = False):
         super().__init__()
-        if in_features % QK:
-            raise ValueError(f"4-bit rows need a multiple of {QK} columns, got {in_features}")
+        check_width(in_features)
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.empty(out_features, in_features // 2,
-                                                   dtype=torch.uint8, device=device))
-        self.register_buffer("scale", torch.empty(out_features, in_features // QK,
-                                                  dtype=torch.float16, device=device))
+        nib, head = row_bytes(in_features)
+        self.register_buffer("weight", torch.empty(out_features, nib, dtype=torch.uint8,
+                                                   device=device))
+        self.register_buffer("scale", torch.empty(out_features, head, dtype=torch.uint8,
+                                                  device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32, device=device)
                              if bias else None)
 
@@ -127,19 +199,21 @@ class Q4Linear(nn.Module):
 
 
 class Q4Embedding(nn.Module):
-    """Token embedding over 4-bit rows (``weight`` uint8 ``[V, H / 2]``, ``scale`` float16
-    ``[V, H / 32]``); ``embed_scale`` multiplies it as Gemma's scaled embedding does. A tied
-    output layer shares the rows (:meth:`as_linear`)."""
+    """Token embedding over 4-bit rows (``weight`` uint8 ``[V, H / 2]``, ``scale`` uint8 heads
+    ``[V, ceil(H / 256) * 16]``); ``embed_scale`` multiplies it as Gemma's scaled embedding
+    does. A tied output layer shares the rows (:meth:`as_linear`)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
                  embed_scale: float | None = None, device: torch.device | str = "cpu"):
         super().__init__()
+        check_width(embedding_dim)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx, self.embed_scale = padding_idx, embed_scale
-        self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim // 2,
-                                                   dtype=torch.uint8, device=device))
-        self.register_buffer("scale", torch.empty(num_embeddings, embedding_dim // QK,
-                                                  dtype=torch.float16, device=device))
+        nib, head = row_bytes(embedding_dim)
+        self.register_buffer("weight", torch.empty(num_embeddings, nib, dtype=torch.uint8,
+                                                   device=device))
+        self.register_buffer("scale", torch.empty(num_embeddings, head, dtype=torch.uint8,
+                                                  device=device))
         self.dtype = torch.float32
 
     def as_linear(self) -> Q4Linear:
@@ -154,36 +228,50 @@ class Q4Embedding(nn.Module):
         return rows * self.embed_scale if self.embed_scale is not None else rows
 
 
+def record_parts(rec: torch.Tensor, hidden: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row ``r`` (0 gate, 1 up, 2 down column) of 4-bit neuron records ``rec`` (layout of
+    :func:`.pack.q4_records`) as views: (nibbles ``[k, H / 2]``, heads ``[k, nsb * 16]``)."""
+    nib, head = row_bytes(hidden)
+    return (rec[:, r * nib:(r + 1) * nib],
+            rec[:, 3 * nib + r * head:3 * nib + (r + 1) * head])
+
+
 def records_linear(x: torch.Tensor, rec: torch.Tensor, hidden: int) -> torch.Tensor:
-    """The gate and up products of 4-bit neuron records (``rec`` uint8 ``[k, 27 * H / 16]``,
+    """The gate and up products of 4-bit neuron records (``rec`` uint8 ``[k, record bytes]``,
     layout of :func:`.pack.q4_records`): ``x [..., H]`` -> ``[..., k, 2]`` (gate, up)."""
-    H, k = hidden, rec.shape[0]
-    nib, ds = rec[:, :3 * H // 2], rec[:, 3 * H // 2:]
-    out = []
-    for r in (0, 1):  # gate, up: row views into the records, read in place
-        d = ds[:, r * (H // 16):(r + 1) * (H // 16)].view(torch.float16)
-        out.append(linear(x, nib[:, r * (H // 2):(r + 1) * (H // 2)], d))
+    k = rec.shape[0]
+    out = [linear(x, *record_parts(rec, hidden, r)) for r in (0, 1)]  # row views, read in place
     return torch.stack(out, dim=-1).view(*x.shape[:-1], k, 2)
 
 
-def down_reference(a: torch.Tensor, nib: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """The kernel's down product (``si_axpy_q4``) written in torch, its definition: the
-    coefficients ``a[n] * d[n, b]`` quantized to int8 per group of 32 neurons (in order) and
-    block ``b`` of H, as float32 like the kernel rounds them; integer sums with the 4-bit
-    values; scaled per group and block (float64). ``a [m, k]``, ``nib [k, H / 2]``, ``d [k, H /
-    32]`` float16 -> ``[m, H]`` float64."""
+def down_reference(a: torch.Tensor, nib: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """The kernel's down product (``si_axpy_q4``) written in torch, its definition: for each
+    group of 32 neurons (in order) and sub-block ``b`` of H, the coefficients ``a[n] * d[n] *
+    sc[n, b]`` quantized to int8 (a float32 scale per group and sub-block, as the kernel rounds
+    them) times the nibbles, summed exactly; then ``- sum_n a[n] * dmin[n] * m[n, b]`` per
+    sub-block. ``a [m, k]``, ``nib [k, H / 2]``, ``heads [k, nsb * 16]`` -> ``[m, H]``
+    float64."""
     k, H = nib.shape[0], nib.shape[1] * 2
-    q = dequantize(nib, torch.ones_like(d)).double()  # [k, H] the 4-bit values
-    c = a.float()[:, :, None] * d.float()[None]  # [m, k, nb]
+    nsb = heads.shape[1] // HEAD
+    h = heads.reshape(k * nsb, HEAD)
+    dd = h[:, :4].contiguous().view(torch.float16).float()
+    ls, lm = unpack_scales(h[:, 4:])
+    step = (dd[:, :1] * ls).view(k, nsb * 8)[:, :H // QK]  # [k, nb] float32
+    off = (dd[:, 1:] * lm).view(k, nsb * 8)[:, :H // QK]
+    p = nib.reshape(k, H // 64, 1, 32).to(torch.int64)
+    q = torch.cat([p & 15, p >> 4], 2).reshape(k, H // QK, QK).double()  # [k, nb, 32]
+    c = a.float()[:, :, None] * step[None]  # [m, k, nb]
     pad = -k % QK
     c = torch.cat([c, c.new_zeros(c.shape[0], pad, c.shape[2])], 1)
     c = c.view(c.shape[0], -1, QK, c.shape[2])  # [m, G, 32, nb]
     sc = c.abs().amax(2) / 127.0  # [m, G, nb]
     inv = torch.where(sc > 0, 1.0 / sc, torch.zeros_like(sc))
     cq = torch.round(c * inv[:, :, None]).double()  # ties to even, like the kernel
-    qg = torch.cat([q, q.new_zeros(pad, H)]).view(-1, QK, H // QK, QK)  # [G, 32, nb, 32]
+    qg = torch.cat([q, q.new_zeros(pad, H // QK, QK)]).view(-1, QK, H // QK, QK)  # [G, 32, nb, 32]
     sums = torch.einsum("mgib,gibj->mgbj", cq, qg)  # exact integers
-    return (sc.double()[..., None] * sums).sum(1).reshape(a.shape[0], H)
+    mins = (a.double() @ off.double())  # [m, nb]
+    y = (sc.double()[..., None] * sums).sum(1) - mins[..., None]
+    return y.reshape(a.shape[0], H)
 
 
 def records_down(a: torch.Tensor, rec: torch.Tensor, hidden: int) -> torch.Tensor:
@@ -192,19 +280,19 @@ def records_down(a: torch.Tensor, rec: torch.Tensor, hidden: int) -> torch.Tenso
     (:func:`down_reference`), without it (no compiler, CUDA) in float over the dequantized
     columns."""
     H, k = hidden, rec.shape[0]
-    nib = rec[:, H:3 * H // 2]
-    d = rec[:, 3 * H // 2 + H // 8:].view(torch.float16)  # [k, H / 32]
+    nib, heads = record_parts(rec, hidden, 2)
     kern = _kernel.kernel() if a.device.type == "cpu" else None
     if kern is None or rec.stride(1) != 1:
-        return (a.float() @ dequantize(nib, d)).to(a.dtype)
+        return (a.float() @ dequantize(nib, heads)).to(a.dtype)
     a2 = a.reshape(-1, k)
     if a2.dtype != torch.float32 or not a2.is_contiguous():
         a2 = a2.float().contiguous()
     y = torch.empty(a2.shape[0], H, dtype=torch.float32)
-    rc = kern.lib.si_axpy_q4(a2.data_ptr(), a2.shape[0], k, nib.data_ptr(), d.data_ptr(),
-                             nib.stride(0), d.stride(0), H, y.data_ptr(), torch.get_num_threads())
+    rc = kern.lib.si_axpy_q4(a2.data_ptr(), a2.shape[0], k, nib.data_ptr(), heads.data_ptr(),
+                             nib.stride(0), heads.stride(0), H, y.data_ptr(),
+                             torch.get_num_threads())
     if rc != 0:
-        raise ValueError(f"4-bit down product: hidden size {H} is not a multiple of {QK}")
+        raise ValueError(f"4-bit down product: hidden size {H} is not a multiple of 64")
     y = y.view(*a.shape[:-1], H)
     return y if a.dtype == torch.float32 else y.to(a.dtype)
 

@@ -184,8 +184,7 @@ def _dense_q4_reference(packed, sm):
 
         def down(m, args, out, rec=mlp.rec, order=order):
             a = args[0][..., order]
-            nib, d = rec[:, H:3 * H // 2], rec[:, 3 * H // 2 + H // 8:].view(torch.float16)
-            y = q4.down_reference(a.reshape(-1, a.shape[-1]), nib, d)
+            y = q4.down_reference(a.reshape(-1, a.shape[-1]), *q4.record_parts(rec, H, 2))
             return y.view(*a.shape[:-1], H).to(out.dtype)
         blk.mlp.down_proj.register_forward_hook(down)
     return model

@@ -63,28 +63,35 @@ static si_mat mat(int64_t n, int64_t k) {
     return m;
 }
 
-/* n float16 scales in [2^-7, 2^-5) */
-static uint16_t *scales16(int64_t n) {
-    uint16_t *d = malloc((size_t)n * sizeof(uint16_t));
-    for (int64_t j = 0; j < n; j++)
-        d[j] = (uint16_t)(((15 - 7 + (j % 2)) << 10) | ((uint16_t)(urand() * 511.0f + 512.0f)));
-    return d;
+/* The heads of n 4-bit rows of k (q4.py): per super-block float16 d in [2^-11, 2^-9), dmin in
+   [2^-8, 2^-6) (sub-block steps near 0.02, offsets near 7.5 steps), 12 bytes of 6-bit scales and minimums from the random sequence */
+static uint8_t *heads4(int64_t n, int64_t k) {
+    int64_t hb = (k + 255) / 256 * 16;
+    uint8_t *h = (uint8_t *)qrows(n * hb);
+    for (int64_t j = 0; j < n * hb / 16; j++) {
+        uint16_t d = (uint16_t)(((15 - 11 + (j % 2)) << 10) | ((uint16_t)(urand() * 511.0f + 512.0f)));
+        uint16_t dm = (uint16_t)(((15 - 8 + (j % 2)) << 10) | ((uint16_t)(urand() * 511.0f + 512.0f)));
+        memcpy(h + 16 * j, &d, 2);
+        memcpy(h + 16 * j + 2, &dm, 2);
+    }
+    return h;
 }
 
-/* n 4-bit rows of k: nibbles [n, k / 2] and scales [n, k / 32] */
+/* n 4-bit rows of k: nibbles [n, k / 2] and heads [n, ceil(k / 256) * 16] */
 static si_mat mat4(int64_t n, int64_t k) {
-    si_mat m = {qrows(n * k / 2), NULL, n, k, k / 2, scales16(n * k / QK), k / QK, NULL};
+    si_mat m = {qrows(n * k / 2), NULL, n, k, k / 2, heads4(n, k), (k + 255) / 256 * 16, NULL};
     return m;
 }
 
-/* n 4-bit neuron records of hidden size H (layout of pack.q4_records), float16 scales as above */
+/* n 4-bit neuron records of hidden size H (layout of pack.q4_records), heads as above */
+static int64_t record4_bytes(int64_t H) { return 3 * (H / 2 + (H + 255) / 256 * 16); }
 static uint8_t *records4(int64_t n, int64_t H) {
-    int64_t R = 3 * (H / 2 + H / 16);
+    int64_t R = record4_bytes(H), hb = (H + 255) / 256 * 16;
     uint8_t *r = (uint8_t *)qrows(n * R);
     for (int64_t i = 0; i < n; i++) {
-        uint16_t *d = scales16(3 * H / QK);
-        memcpy(r + i * R + 3 * H / 2, d, (size_t)(3 * H / QK) * sizeof(uint16_t));
-        free(d);
+        uint8_t *h = heads4(3, H);
+        memcpy(r + i * R + 3 * H / 2, h, (size_t)(3 * hb));
+        free(h);
     }
     return r;
 }
@@ -133,19 +140,19 @@ int main(int argc, char **argv) {
                                         {130, 2048, 2, 2048}, {16, 1024, 1, 1100}};
     if (linear_cases(shapes, (int)(sizeof shapes / sizeof shapes[0]), 0) != 0) return 1;
 
-    static const int64_t q4shapes[][3] = {{7, 64, 3}, {64, 640, 1}, {33, 96, 2}, {130, 2048, 2}};
+    static const int64_t q4shapes[][3] = {{7, 64, 3}, {64, 640, 1}, {33, 192, 2}, {130, 2048, 2}};
     for (int i = 0; i < 4; i++) {
-        int64_t N = q4shapes[i][0], K = q4shapes[i][1], M = q4shapes[i][2];
+        int64_t N = q4shapes[i][0], K = q4shapes[i][1], M = q4shapes[i][2], hb = (K + 255) / 256 * 16;
         uint8_t *w = (uint8_t *)qrows(N * K / 2);
-        uint16_t *d = scales16(N * K / QK);
+        uint8_t *d = heads4(N, K);
         float *x = frand(M * K, -2.0f, 2.0f), *y = malloc((size_t)(M * N) * sizeof(float));
         for (int threads = 1; threads <= 2; threads++) {
-            if (si_linear_q4(x, M, K, w, d, N, K / 2, K / QK, y, threads) != 0) return 1;
+            if (si_linear_q4(x, M, K, w, d, N, K / 2, hb, y, threads) != 0) return 1;
             print("q4", i, threads, y, M * N);
         }
         float *a = frand(M * N, -2.0f, 2.0f), *z = malloc((size_t)(M * K) * sizeof(float));
         for (int threads = 1; threads <= 2; threads++) { /* N rows of K as the down columns */
-            if (si_axpy_q4(a, M, N, w, d, K / 2, K / QK, K, z, threads) != 0) return 1;
+            if (si_axpy_q4(a, M, N, w, d, K / 2, hb, K, z, threads) != 0) return 1;
             print("axpy", i, threads, z, M * K);
         }
     }
@@ -290,7 +297,7 @@ int main(int argc, char **argv) {
         ly->k.bias = kb;
         ly->v.bias = vb;
         ly->rec = records4(loaded, H);
-        ly->rec_ld = 3 * (H / 2 + H / 16);
+        ly->rec_ld = record4_bytes(H);
         memset(ly->k_cache, 0, (size_t)(nkv * cap * hd) * sizeof(float));
         memset(ly->v_cache, 0, (size_t)(nkv * cap * hd) * sizeof(float));
     }

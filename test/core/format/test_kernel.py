@@ -154,8 +154,8 @@ q, s = int8.quantize_rows(torch.randn(40, 100, generator=g))
 x = torch.randn(3, 100, generator=g)
 lin = (int8.linear(x, q, s) - x @ (q.float() * s[:, None]).T).abs().max() / x.abs().max()
 from selectinfer_ros.core.format import q4
-p4, d4 = q4.quantize(torch.randn(40, 96, generator=g))
-x4 = torch.randn(3, 96, generator=g)
+p4, d4 = q4.quantize(torch.randn(40, 192, generator=g))
+x4 = torch.randn(3, 192, generator=g)
 lin4 = (q4.linear(x4, p4, d4) - x4 @ q4.dequantize(p4, d4).T).abs().max() / x4.abs().max()
 # three requests in three KV slots at different positions: a batched step against each alone
 d = e.decoder

@@ -58,7 +58,7 @@ static void attention_rows(const si_model *m, const si_model *R, const si_layer 
     for (int64_t b = t; b < B; b += nt) rms_norm(x + b * H, L->in_norm, H, m->eps, R[b].h);
     barrier();
     for (int64_t b = 0; b < B; b++) /* q, k, v: one format */
-        (L->q.d ? quantize_part_pairs : quantize_part_prep)(&R[b], R[b].h, H, t, nt);
+        quantize_part_prep(&R[b], R[b].h, H, t, nt);
     barrier();
     gemv_rows(&L->q, R, B, m->h, K, m->q, K, t, nt);
     gemv_rows(&L->k, R, B, m->h, K, m->kv, 2 * K, t, nt);
@@ -83,7 +83,7 @@ static void attention_rows(const si_model *m, const si_model *R, const si_layer 
     }
     barrier();
     for (int64_t b = 0; b < B; b++)
-        (L->o.d ? quantize_part_pairs : quantize_part_prep)(&R[b], R[b].att, nh * hd, t, nt);
+        quantize_part_prep(&R[b], R[b].att, nh * hd, t, nt);
     barrier();
     gemv_rows(&L->o, R, B, m->att, K, m->h, K, t, nt);
     barrier();

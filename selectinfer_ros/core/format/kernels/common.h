@@ -12,7 +12,7 @@
 #endif
 
 #ifndef SI_ABI_VERSION
-#define SI_ABI_VERSION 15
+#define SI_ABI_VERSION 16
 #endif
 
 #if defined(SI_PLAIN)
@@ -65,7 +65,7 @@
     ((w) + (o) + PF + ((o) + PF >= (nfull) * QK ? (skip) : 0))
 
 /* x [K] blocks [b0, b1) -> xq (zero padded to whole blocks), xd block scales, xs (NULL: not
-   wanted) the blocks' sums of xq (the 4-bit products take 8 * xs off, see q4_row). */
+   wanted) the blocks' sums of xq (the 4-bit products' minimums, see q4_row). */
 static void quantize_blocks(const float *x, int64_t K, int64_t b0, int64_t b1, int8_t *xq,
                             float *xd, int32_t *xs) {
     for (int64_t b = b0; b < b1; b++) {
@@ -89,31 +89,6 @@ static void quantize_blocks(const float *x, int64_t K, int64_t b0, int64_t b1, i
 /* x [K] -> xq [nb * QK] int8 (zero padded), xd [nb] block scales; nb = ceil(K / QK). */
 static void quantize_row(const float *x, int64_t K, int8_t *xq, float *xd) {
     quantize_blocks(x, K, 0, (K + QK - 1) / QK, xq, xd, NULL);
-}
-
-/* Pair order, the activations as the 4-bit row products read them: blocks 2p and 2p + 1 of
-   nb are stored as [x_2p[0:16], x_2p+1[0:16], x_2p[16:32], x_2p+1[16:32]] (the low and the high
-   nibbles of two blocks' 32 bytes line up with the first and second half); a last unpaired
-   block stays as it is. xq_lo(b, nb): where block b's values 0-15 start (16-31 start at
-   xq_hi). */
-static inline int64_t xq_lo(int64_t b, int64_t nb) {
-    return (b | 1) < nb ? (b >> 1) * 2 * QK + (b & 1) * 16 : b * QK;
-}
-static inline int64_t xq_hi(int64_t b, int64_t nb) {
-    return xq_lo(b, nb) + ((b | 1) < nb ? QK : 16);
-}
-
-/* Blocks [b0, b1) of xq (b0 even) from natural into pair order. */
-static void pair_blocks(int8_t *xq, int64_t b0, int64_t b1, int64_t nb) {
-    for (int64_t b = b0; b + 1 < b1 && b + 1 < nb; b += 2) {
-        int8_t t[2 * QK];
-        memcpy(t, xq + b * QK, sizeof t);
-        int8_t *o = xq + b * QK;
-        memcpy(o, t, 16);
-        memcpy(o + 16, t + QK, 16);
-        memcpy(o + QK, t + 16, 16);
-        memcpy(o + QK + 16, t + QK + 16, 16);
-    }
 }
 
 /* Threads: without OpenMP every call runs on one. */

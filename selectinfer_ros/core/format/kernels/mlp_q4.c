@@ -4,7 +4,7 @@
    record is read once for every row), a = act(gate) * up, then the down columns of the same
    records (split by blocks of H), row by row. */
 /* Records fetched ahead of the one read (mlp_rows_q4), every line of each, into L2 (prefetcht1):
-   the hardware prefetchers do not follow the records (gate and up rows, their scales at the end,
+   the hardware prefetchers do not follow the records (gate and up rows, their heads at the end,
    the down column after the group), and a record's 40 lines fetched into L1 (prefetcht0) fill
    its miss buffers. Qwen2.5 1.5B, 0.7 / 0.5, one thread, Zen 4: the MLP of a decode token 61 ms
    with no fetch, 41 ms with 2 records into L1, 20-25 ms with 2-8 into L2. */
@@ -24,16 +24,16 @@ static inline float *q4_part(const si_model *r, int u) {
 static void down_q4_group(const si_layer *L, int64_t H, const float *a, const int32_t *idx,
                           int64_t n0, int64_t G, int64_t k, float *y, int pf) {
     const int64_t nb = H / QK, RL = L->rec_ld;
-    const uint16_t *dd = (const uint16_t *)(L->rec + 3 * H / 2) + 2 * nb; /* record 0's down scales */
+    const uint8_t *hd = L->rec + 3 * H / 2 + 2 * q4_head_bytes(H); /* record 0's down heads */
     int16_t cq[DG * DB];
-    float s[DB];
+    float s[DB], kb[DB];
     int32_t cs[DB];
     const uint8_t *wr[DG];
     for (int64_t i = 0; i < G; i++) wr[i] = L->rec + (idx ? idx[n0 + i] : n0 + i) * RL + H;
     for (int64_t bc = 0; bc < nb; bc += DB) {
         int64_t nbc = nb - bc < DB ? nb - bc : DB;
-        down_coeffs(a, dd, RL / 2, idx, n0, G, bc, nbc, cq, s, cs);
-        axpy_q4_group(wr, G, cq, s, cs, bc, nbc, y, pf ? L->rec + H : NULL, dd, RL, RL / 2, idx,
+        down_coeffs(a, hd, RL, idx, n0, G, bc, nbc, cq, s, cs, kb);
+        axpy_q4_group(wr, G, cq, s, cs, kb, bc, nbc, y, pf ? L->rec + H : NULL, hd, RL, RL, idx,
                       n0, k);
     }
 }
@@ -51,10 +51,10 @@ static void add_q4_parts(const si_model *r, int64_t H, int t, int nt) {
 
 static void mlp_rows_q4(const si_model *m, const si_model *R, const si_layer *L, float *x,
                         int64_t B, int t, int nt) {
-    int64_t H = m->hidden, k = L->n_active, nb = H / QK, RL = L->rec_ld;
+    int64_t H = m->hidden, k = L->n_active, nb = H / QK, RL = L->rec_ld, hb = q4_head_bytes(H);
     for (int64_t b = t; b < B; b += nt) rms_norm(x + b * H, L->pre_mlp_norm, H, m->eps, R[b].h);
     barrier();
-    for (int64_t b = 0; b < B; b++) quantize_part_pairs(&R[b], R[b].h, H, t, nt);
+    for (int64_t b = 0; b < B; b++) quantize_part(&R[b], R[b].h, H, t, nt);
     barrier();
     /* One pass over the records, in memory order: each thread takes whole groups of DG
        neurons (the down product's coefficient groups), reads a group's gate and up rows, then
@@ -71,7 +71,7 @@ static void mlp_rows_q4(const si_model *m, const si_model *R, const si_layer *L,
         int64_t n0 = g * DG, G = k - n0 < DG ? k - n0 : DG;
         for (int64_t n = n0; n < n0 + G; n++) {
             const uint8_t *r = L->rec + n * RL;
-            const uint16_t *d = (const uint16_t *)(r + 3 * H / 2);
+            const uint8_t *d = r + 3 * H / 2; /* gate's heads, then up's */
             if (n + PF_RECORDS < k) /* a whole record a few ahead, into L2 (see PF_RECORDS) */
                 for (int64_t o = 0; o < RL; o += 64)
                     __builtin_prefetch(r + PF_RECORDS * RL + o, 0, 2);
@@ -84,7 +84,7 @@ static void mlp_rows_q4(const si_model *m, const si_model *R, const si_layer *L,
                     continue;
                 }
                 q4_row(r, d, nb, rb->xq, rb->xd, rb->xs, &gv);
-                q4_row(r + H / 2, d + nb, nb, rb->xq, rb->xd, rb->xs, &uv);
+                q4_row(r + H / 2, d + hb, nb, rb->xq, rb->xd, rb->xs, &uv);
                 rb->a[n] = act(gv, m->act) * uv;
             }
         }
@@ -100,30 +100,30 @@ static void mlp_rows_q4(const si_model *m, const si_model *R, const si_layer *L,
 /* The same over 4-bit records: gate and up rows as mlp_step_q4 reads them (up for the
    candidates only), the down product of axpy_q4_part over the kept list, read in place. */
 static void mlp_step_q4_token(const si_model *m, const si_layer *L, float *x, int t, int nt) {
-    int64_t H = m->hidden, k = L->n_active, nb = H / QK, R = L->rec_ld;
+    int64_t H = m->hidden, k = L->n_active, nb = H / QK, R = L->rec_ld, hb = q4_head_bytes(H);
     float *h = m->h;
     if (t == 0) rms_norm(x, L->pre_mlp_norm, H, m->eps, h);
     barrier();
-    quantize_part_pairs(m, h, H, t, nt);
+    quantize_part(m, h, H, t, nt);
     barrier();
     int64_t n0, n1, c = 0, nc = 0; /* kept, candidates */
     share(k, t, nt, &n0, &n1);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *r = L->rec + n * R;
-        const uint16_t *d = (const uint16_t *)(r + 3 * H / 2);
+        const uint8_t *d = r + 3 * H / 2; /* gate's heads, then up's */
         if (n + PF_RECORDS < n1) { /* a record's gate and up rows and their scales a few
                                       ahead, into L2 (see PF_RECORDS; most records are
                                       candidates, whose up row is read) */
             const uint8_t *ahead = r + PF_RECORDS * R;
             for (int64_t o = 0; o < H; o += 64) __builtin_prefetch(ahead + o, 0, 2);
-            for (int64_t o = 0; o < H / 8; o += 64) __builtin_prefetch(ahead + 3 * H / 2 + o, 0, 2);
+            for (int64_t o = 0; o < 2 * hb; o += 64) __builtin_prefetch(ahead + 3 * H / 2 + o, 0, 2);
         }
         float g, u;
         q4_row(r, d, nb, m->xq, m->xd, m->xs, &g);
         g = act(g, m->act);
         if (!(fabsf(g) >= L->gate_thr)) continue;
         nc++;
-        q4_row(r + H / 2, d + nb, nb, m->xq, m->xd, m->xs, &u);
+        q4_row(r + H / 2, d + hb, nb, m->xq, m->xd, m->xs, &u);
         float a = g * u;
         if (!(fabsf(a) >= L->act_thr)) continue;
         m->idx[n0 + c] = (int32_t)n;

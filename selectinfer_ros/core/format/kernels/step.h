@@ -43,7 +43,7 @@ typedef struct {
     const int8_t *w;    /* int8 rows, or 4-bit rows (nibbles, ldw bytes apart) where d is set */
     const float *scale; /* [n]; int8 rows only */
     int64_t n, k, ldw;
-    const uint16_t *d; /* 4-bit rows: float16 block scales [n, k / 32] at row stride ldd */
+    const uint8_t *d; /* 4-bit rows: heads [n, ceil(k / 256) * 16] at row stride ldd (bytes) */
     int64_t ldd;
     const float *bias; /* [n]; NULL: none (Qwen2's q/k/v projections have one) */
     int64_t tiled;     /* 1: w holds int8 rows as tiles (si_tile_pack), ldw blocks a tile */
@@ -202,7 +202,7 @@ static void gemv_rows(const si_mat *mt, const si_model *R, int64_t B, const floa
         return;
     }
 #endif
-    int64_t row_bytes = mt->d ? mt->k / 2 + mt->k / QK * 2 : mt->k;
+    int64_t row_bytes = mt->d ? mt->k / 2 + q4_head_bytes(mt->k) : mt->k;
     int64_t chunk = B > 1 ? ROWS_CHUNK / (row_bytes > 0 ? row_bytes : 1) : n1 - n0;
     if (chunk < 1) chunk = 1;
     for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
@@ -229,15 +229,6 @@ static void quantize_part(const si_model *m, const float *x, int64_t K, int t, i
     int64_t b0, b1;
     share((K + QK - 1) / QK, t, nt, &b0, &b1);
     quantize_blocks(x, K, b0, b1, m->xq, m->xd, m->xs);
-}
-
-/* The same for 4-bit rows: the members share pairs of blocks, each in pair order. */
-static void quantize_part_pairs(const si_model *m, const float *x, int64_t K, int t, int nt) {
-    int64_t nb = (K + QK - 1) / QK, p0, p1;
-    share((nb + 1) / 2, t, nt, &p0, &p1);
-    int64_t b0 = 2 * p0, b1 = 2 * p1 < nb ? 2 * p1 : nb;
-    quantize_blocks(x, K, b0, b1, m->xq, m->xd, m->xs);
-    pair_blocks(m->xq, b0, b1, nb);
 }
 
 /* quantize_part for the int8 products of a decode step: where the activations are prepared
