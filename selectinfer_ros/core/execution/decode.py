@@ -386,9 +386,11 @@ def native_unsupported(d: Decoder) -> str | None:
         if any(m.bias is not None and tuple(m.bias.shape) != (m.out_features,)
                for m in (l.q, l.k, l.v, l.o)):
             return "attention projection biases of an unexpected shape"
-        if not isinstance(l.mlp, SelectiveMLP) or (l.mlp.gu_scale is None and l.mlp.rec is None):
+        parts = getattr(l.mlp, "parts", ())
+        if not parts or not all(isinstance(p, SelectiveMLP) for p in parts) or any(
+                p.gu_scale is None and p.rec is None for p in parts):
             return "float neuron slots"
-        if l.mlp.state.per_token and l.mlp.rec is None and not l.mlp.token_layout:
+        if any(p.state.per_token and p.rec is None and not p.token_layout for p in parts):
             return "per-token selection over int8 slots not laid out for it (token_layout)"
     if {l.input_norm.eps for l in d.layers} != {d.final_norm.eps}:
         return "norms with different eps"
@@ -426,7 +428,7 @@ class NativeInt8Step:
     def _refresh(self) -> None:
         d, cfg = self.d, self.d.model.config
         H, hd = cfg.hidden_size, d.head_dim
-        max_loaded = max(l.mlp.n_loaded for l in d.layers)
+        max_loaded = max(p.n_loaded for l in d.layers for p in l.mlp.parts)
         max_k = max(H, d.n_heads * hd, max_loaded)
         f32 = dict(dtype=torch.float32)
         teams = max(1, torch.get_num_threads())  # a scores row per thread
@@ -478,23 +480,22 @@ class NativeInt8Step:
             cos, sin = d.tables[l.rope]
             c.cos, c.sin = cos.data_ptr(), sin.data_ptr()
             c.window = l.window or 0
-            mlp = l.mlp
-            if mlp.rec is not None:  # 4-bit records, read in place
-                if mlp.rec.stride(1) != 1 or H % 64:
-                    raise ValueError(f"layer {i}: 4-bit records in an unexpected layout")
-                c.rec, c.rec_ld = mlp.rec.data_ptr(), mlp.rec.stride(0)
-                c.gu = c.gu_scale = c.up = c.up_scale = c.down = c.down_scale = None
-                c.down_ld, c.tiled = 0, 0
-            else:
+            c.gu = c.gu_scale = c.up = c.up_scale = c.down = c.down_scale = c.rec = None
+            c.down_ld = c.rec_ld = c.tiled = 0
+            for mlp in l.mlp.parts:  # int8 slots, 4-bit records, or both (tiered)
+                if mlp.rec is not None:  # 4-bit records, read in place
+                    if mlp.rec.stride(1) != 1 or H % 64:
+                        raise ValueError(f"layer {i}: 4-bit records in an unexpected layout")
+                    c.rec, c.rec_ld = mlp.rec.data_ptr(), mlp.rec.stride(0)
+                    continue
                 c.gu, c.gu_scale = mlp.gu.data_ptr(), mlp.gu_scale.data_ptr()
                 c.down, c.down_scale = mlp.down.data_ptr(), mlp.down_scale.data_ptr()
-                c.up = c.up_scale = None
                 # gu [k, 2, H], down [H, k] (the active prefix of each row); per token: gu
                 # planar [2, k, H] (gate rows, then up rows), down neuron-major [k, H]
                 k = mlp.n_loaded
                 c.tiled = int(mlp.tiled)
                 if mlp.tiled:  # tiles of gu [2k, H] and down [H, k]
-                    c.down_ld, c.rec, c.rec_ld = k, None, 0
+                    c.down_ld = k
                     continue
                 if mlp.token_layout:
                     c.up, c.up_scale = mlp.gu[1].data_ptr(), mlp.gu_scale[1].data_ptr()
@@ -504,7 +505,6 @@ class NativeInt8Step:
                 if not gu_ok or mlp.down.stride(1) != 1 or mlp.down.shape[h_axis] != H:
                     raise ValueError(f"layer {i}: neuron slots in an unexpected layout")
                 c.down_ld = mlp.down.stride(0)
-                c.rec, c.rec_ld = None, 0
         self._fill_mlp(self._mlp_key())
         self.stale = False
 
@@ -534,21 +534,26 @@ class NativeInt8Step:
                 raise ValueError(f"per-token selection: state.{name} must be a contiguous int64 "
                                  "CPU tensor")
         for l, c in zip(self.d.layers, self.layers):
-            mlp = l.mlp
-            c.token = int(token or (mlp.rec is None and mlp.token_layout))
+            parts = l.mlp.parts
+            c.token = int(token or any(p.rec is None and p.token_layout for p in parts))
+            c.gate_thr = c.act_thr = 0.0
+            c.kept = c.candidates = None
             if token:
-                c.n_active = mlp.n_loaded
-                c.gate_thr, c.act_thr = float(mlp.gate_thr), float(mlp.act_thr)
-                c.kept = kept.data_ptr() + 8 * mlp.layer if mlp.layer < kept.numel() else None
-                c.candidates = (cand.data_ptr() + 8 * mlp.layer if mlp.layer < cand.numel()
-                                else None)
-            else:
-                c.n_active = mlp.n_loaded if st.prefill else mlp.decode_width
-                c.gate_thr = c.act_thr = 0.0
-                c.kept = c.candidates = None
-            masked = mlp.masked and not st.prefill and not c.token
-            c.mask = mlp.row_mask.data_ptr() if masked else None  # rows' own neurons
-            c.mask_ld = mlp.row_mask.stride(0) if masked else 0
+                c.gate_thr, c.act_thr = float(l.mlp.gate_thr), float(l.mlp.act_thr)
+                layer = l.mlp.layer
+                c.kept = kept.data_ptr() + 8 * layer if layer < kept.numel() else None
+                c.candidates = cand.data_ptr() + 8 * layer if layer < cand.numel() else None
+            c.mask = c.rec_mask = None
+            c.mask_ld = c.rec_mask_ld = 0
+            for mlp in parts:
+                n = mlp.n_loaded if token or st.prefill else mlp.decode_width
+                masked = mlp.masked and not st.prefill and not c.token
+                mask = mlp.row_mask.data_ptr() if masked else None  # rows' own neurons
+                mask_ld = mlp.row_mask.stride(0) if masked else 0
+                if mlp.rec is not None:
+                    c.rec_active, c.rec_mask, c.rec_mask_ld = n, mask, mask_ld
+                else:
+                    c.n_active, c.mask, c.mask_ld = n, mask, mask_ld
         self._key = key
 
     def _prepare(self) -> None:

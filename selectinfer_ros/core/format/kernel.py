@@ -31,7 +31,7 @@ def source_bytes() -> bytes:
     """Every source file of the library (kernel.c includes the others), for the build's hash."""
     return b"".join(f.name.encode() + f.read_bytes() for f in sorted(SOURCE.parent.iterdir())
                     if f.suffix in (".c", ".h"))
-ABI_VERSION = 16
+ABI_VERSION = 17
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
 # (name, cpuinfo flags it needs, compiler flags), best first, per machine
@@ -76,7 +76,9 @@ class LayerC(ctypes.Structure):
                 + [(n, ctypes.c_void_p) for n in ("gu", "gu_scale", "up", "up_scale", "down",
                                                   "down_scale")]
                 + [("down_ld", ctypes.c_int64), ("n_active", ctypes.c_int64),
-                   ("rec", ctypes.c_void_p), ("rec_ld", ctypes.c_int64)]
+                   # 4-bit records (None: none), row stride, active prefix; with gu too: tiered
+                   ("rec", ctypes.c_void_p), ("rec_ld", ctypes.c_int64),
+                   ("rec_active", ctypes.c_int64)]
                 # per-token selection: token 1 (int8: gate/up planar, down neuron-major [n_active,
                 # H]), the two
                 # thresholds, kept: int64 the kept neurons are added to, candidates: int64 the
@@ -88,7 +90,8 @@ class LayerC(ctypes.Structure):
                    ("tiled", ctypes.c_int64),
                    # rows computing different neurons of the prefix: float32 [slots, mask_ld],
                    # row b's activations times mask[ModelC.slots[b]] (None: no masks)
-                   ("mask", ctypes.c_void_p), ("mask_ld", ctypes.c_int64)])
+                   ("mask", ctypes.c_void_p), ("mask_ld", ctypes.c_int64),
+                   ("rec_mask", ctypes.c_void_p), ("rec_mask_ld", ctypes.c_int64)])
 
 
 class ModelC(ctypes.Structure):

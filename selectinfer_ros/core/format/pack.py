@@ -21,6 +21,9 @@ A packed model folder holds:
   ``[N, 16 * ceil(K / 256)]``;
   ``int8-q4emb`` keeps int8 neuron records and attention and stores only the token embedding /
   output layer as 4-bit rows (the bytes of a small model with a large vocabulary);
+- ``ffn-high.safetensors`` (4-bit packs): every neuron again as an int8 record, the high tier
+  of tiered records (``int8_ratio``: the most valued resident neurons are read from here, the
+  rest from ``ffn.safetensors``; a neuron is resident in one tier only);
 - ``checksums.safetensors``: int64 word sums of every neuron record (``layers.<l>.neurons``
   ``[I]``) and of every non-FFN tensor (its name, ``[1]``). The loader checks the records and
   tensors it reads; ``selectinfer verify`` checks everything.
@@ -50,6 +53,7 @@ FORMAT = "selectinfer-packed"
 FORMAT_VERSION = 3  # 3: 4-bit rows as super-blocks (Q4_K values), was Q4_0
 MANIFEST = "manifest.json"
 FFN_FILE = "ffn.safetensors"
+HIGH_FILE = "ffn-high.safetensors"  # 4-bit packs: every neuron again as an int8 record (tiers)
 OTHER_FILE = "model.safetensors"
 CHECKSUM_FILE = "checksums.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -59,6 +63,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def neuron_key(layer: int) -> str:
     return f"layers.{layer}.neurons"
+
+
+def high_sum_key(layer: int) -> str:
+    """The checksum name of layer ``layer``'s records in HIGH_FILE."""
+    return f"high.{neuron_key(layer)}"
+
+
+def int8_record_bytes(hidden: int) -> int:
+    """Bytes of an int8 neuron record: three int8 rows of H, their three float32 scales."""
+    return 3 * hidden + 3 * 4
+
+
+def int8_record_parts(raw: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 records ``raw`` (uint8 ``[n, 3 H + 12]``) -> values int8 ``[n, 3, H]``, scales
+    float32 ``[n, 3]``."""
+    n, H = raw.shape[0], hidden
+    vals = raw[:, :3 * H].view(torch.int8).view(n, 3, H)
+    return vals, raw[:, 3 * H:].contiguous().view(torch.float32).view(n, 3)
 
 
 @dataclass(frozen=True)
@@ -75,6 +97,7 @@ class Manifest:
     fingerprint: str
     path: Path
     weights: str = "float"  # one of WEIGHTS; ``dtype`` is then the dtype of everything not int8
+    high: str = ""  # records of HIGH_FILE (``int8``: a 4-bit pack's high tier), "" = none
 
     @property
     def int8_ffn(self) -> bool:
@@ -102,7 +125,7 @@ class Manifest:
         if self.q4_ffn:
             return q4_record_bytes(self.hidden_size)
         if self.int8_ffn:
-            return 3 * self.hidden_size + 3 * 4
+            return int8_record_bytes(self.hidden_size)
         return 3 * self.hidden_size * self.dtype.itemsize
 
     def decode_records(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -114,8 +137,7 @@ class Manifest:
             return raw, None
         if not self.int8_ffn:
             return raw.view(self.dtype).view(n, 3, H), None
-        vals = raw[:, :3 * H].view(torch.int8).view(n, 3, H)
-        return vals, raw[:, 3 * H:].contiguous().view(torch.float32).view(n, 3)
+        return int8_record_parts(raw, H)
 
     def dequantize_records(self, raw: torch.Tensor) -> torch.Tensor:
         """The float32 rows ``[n, 3, H]`` (gate, up, down column) of records ``raw``."""
@@ -142,9 +164,11 @@ def is_packed(path: str | Path) -> bool:
                                              "config.json")):
         return False
     try:
-        return json.loads((path / MANIFEST).read_text()).get("version") == FORMAT_VERSION
+        raw = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
+    return raw.get("version") == FORMAT_VERSION and (not raw.get("high") or
+                                                     (path / HIGH_FILE).exists())
 
 
 def word_sums(raw: torch.Tensor) -> torch.Tensor:
@@ -186,15 +210,17 @@ def verify(path: str | Path, log: Callable[[str], None] = print) -> list[str]:
     m = read_manifest(path)
     sums = read_checksums(m)
     problems: list[str] = []
-    ffn = check_ffn_file(m)
-    with CountingReader(m.path / FFN_FILE) as r:
-        for layer in progress(range(m.num_layers), desc="verify FFN layers"):
-            key = neuron_key(layer)
-            raw = r.read_tensor(ffn[key]).view(torch.uint8).view(m.intermediate_size, -1)
-            bad = torch.nonzero(word_sums(raw) != sums[key]).flatten().tolist()
-            if bad:
-                problems.append(f"{FFN_FILE}: layer {layer}: {len(bad)} corrupt neuron record(s) "
-                                f"(first: {bad[:5]})")
+    for high in (False, True) if m.high else (False,):
+        ffn, name = check_ffn_file(m, high), HIGH_FILE if high else FFN_FILE
+        with CountingReader(m.path / name) as r:
+            for layer in progress(range(m.num_layers), desc=f"verify {name} layers"):
+                raw = r.read_tensor(ffn[neuron_key(layer)]).view(torch.uint8).view(
+                    m.intermediate_size, -1)
+                sum_key = high_sum_key(layer) if high else neuron_key(layer)
+                bad = torch.nonzero(word_sums(raw) != sums[sum_key]).flatten().tolist()
+                if bad:
+                    problems.append(f"{name}: layer {layer}: {len(bad)} corrupt neuron "
+                                    f"record(s) (first: {bad[:5]})")
     tensors, _, _ = read_header(m.path / OTHER_FILE)
     with CountingReader(m.path / OTHER_FILE) as r:
         for name, info in progress(list(tensors.items()), desc="verify other tensors"):
@@ -224,9 +250,11 @@ def read_manifest(path: str | Path) -> Manifest:
         m = Manifest(raw["model_id"], raw["model_type"], int(raw["num_layers"]),
                      int(raw["hidden_size"]), int(raw["intermediate_size"]),
                      getattr(torch, raw["dtype"]), raw["source_sha256"], raw["fingerprint"], path,
-                     raw.get("weights", "float"))
+                     raw.get("weights", "float"), raw.get("high", ""))
         if m.weights not in WEIGHTS:
             raise FormatError(f"{mf}: weights {m.weights!r}, expected one of {', '.join(WEIGHTS)}")
+        if m.high not in ("", "int8"):
+            raise FormatError(f"{mf}: high tier {m.high!r}, expected int8 or none")
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise FormatError(f"{mf}: corrupt manifest ({e})") from e
     if m.fingerprint != fingerprint(m.model_type, m.num_layers, m.hidden_size,
@@ -235,15 +263,23 @@ def read_manifest(path: str | Path) -> Manifest:
     return m
 
 
-def check_ffn_file(m: Manifest) -> dict:
-    """Header of ``ffn.safetensors``, checked against the manifest (shape, dtype, size)."""
-    path = m.path / FFN_FILE
+def check_ffn_file(m: Manifest, high: bool = False) -> dict:
+    """Header of ``ffn.safetensors`` (``high``: of HIGH_FILE, the int8 records of a 4-bit
+    pack's high tier), checked against the manifest (shape, dtype, size)."""
+    if high and m.high != "int8":
+        raise FormatError(f"{m.path}: no high tier of int8 records (a 4-bit pack of this build "
+                          f"has one: `selectinfer pack --weights q4`)")
+    path = m.path / (HIGH_FILE if high else FFN_FILE)
     tensors, meta, _ = read_header(path)
     if meta.get("fingerprint") != m.fingerprint:
         raise FormatError(f"{path}: fingerprint {meta.get('fingerprint')!r} does not match "
                           f"manifest {m.fingerprint!r} (file from another model)")
-    want, want_dtype = ((m.intermediate_size, m.record_bytes), torch.uint8) if m.quantized_ffn else (
-        (m.intermediate_size, 3, m.hidden_size), m.dtype)
+    if high:
+        want, want_dtype = (m.intermediate_size, int8_record_bytes(m.hidden_size)), torch.uint8
+    elif m.quantized_ffn:
+        want, want_dtype = (m.intermediate_size, m.record_bytes), torch.uint8
+    else:
+        want, want_dtype = (m.intermediate_size, 3, m.hidden_size), m.dtype
     for layer in range(m.num_layers):
         info = tensors.get(neuron_key(layer))
         if info is None:
@@ -357,6 +393,8 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
     rec_spec = ((torch.uint8, (I, q4_record_bytes(H))) if q4_ffn else
                 (torch.uint8, (I, 3 * H + 12)) if int8_ffn else (dtype, (I, 3, H)))
     ffn = StreamWriter(tmp / FFN_FILE, {neuron_key(l): rec_spec for l in range(L)}, meta)
+    high = StreamWriter(tmp / HIGH_FILE, {neuron_key(l): (torch.uint8, (I, int8_record_bytes(H)))
+                                          for l in range(L)}, meta) if q4_ffn else None
     for layer in progress(range(L), desc="pack FFN layers", total=L):
         gate = where[arch.ffn_key(layer, "gate")].get_tensor(arch.ffn_key(layer, "gate"))  # [I, H]
         up = where[arch.ffn_key(layer, "up")].get_tensor(arch.ffn_key(layer, "up"))  # [I, H]
@@ -372,7 +410,13 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
             rec = torch.stack([gate, up, down.t()], dim=1).to(dtype).contiguous()  # [I, 3, H]
         sums[neuron_key(layer)] = word_sums(rec.view(torch.uint8).view(I, -1))
         ffn.write(neuron_key(layer), rec)
+        if high is not None:  # the high tier: every neuron as an int8 record too
+            rec8 = int8_records(gate, up, down)
+            sums[high_sum_key(layer)] = word_sums(rec8)
+            high.write(neuron_key(layer), rec8)
     ffn.close()
+    if high is not None:
+        high.close()
 
     others = sorted(k for k in where if not arch.is_ffn_key(k))
     specs = {}
@@ -418,6 +462,7 @@ def pack(src: str | Path, out: str | Path, model_id: str | None = None,
     manifest = {"format": FORMAT, "version": FORMAT_VERSION, "model_id": model_id,
                 "model_type": config.model_type, "num_layers": L, "hidden_size": H,
                 "intermediate_size": I, "dtype": str(dtype).removeprefix("torch."), "weights": weights,
+                "high": "int8" if q4_ffn else "",
                 "source_sha256": sha, "fingerprint": fp, "source": str(src.resolve())}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     publish_dir(tmp, out)

@@ -19,15 +19,16 @@ from ..format.architectures import activation_name, architecture_for
 from ..format.int8 import Int8Embedding, Int8Linear, kernel_status, tile_int8_layers, tiles_pay
 from ..format.q4 import Q4Embedding, Q4Linear
 from ..options import COMPUTE_MODES, SELECTIONS, check_ratios
-from ..format.pack import (FFN_FILE, OTHER_FILE, Manifest, check_ffn_file, checksum_error, neuron_key,
-                   read_checksums, read_manifest, tensor_sum, word_sums)
+from ..format.pack import (FFN_FILE, HIGH_FILE, OTHER_FILE, Manifest, check_ffn_file, checksum_error,
+                           high_sum_key, int8_record_bytes, int8_record_parts, neuron_key,
+                           read_checksums, read_manifest, tensor_sum, word_sums)
 from .profiles import (ProfileCatalog, Selection, neuron_count, select_published, select_random,
                        select_sensitivity, select_shared_sensitivity)
 from ..format.progress import progress
 from ..format.safetensors_io import CountingReader, FormatError, read_header
 from ..format.tokenizer import load_tokenizer
 from . import token_rule
-from .selective_mlp import SelectionState, SelectiveMLP, Slots
+from .selective_mlp import SelectionState, SelectiveMLP, Slots, TieredMLP
 
 BOUNCE_BYTES = 8 << 20  # bounce buffer for coalesced neuron reads
 
@@ -194,6 +195,46 @@ class SwitchReport:
     bytes_read: int
     neurons_read: int
     neurons_dropped: int
+    neurons_retiered: int = 0  # of those read: resident before, in the other tier (promoted or
+    # demoted, read again from that tier's records)
+
+
+@dataclass(frozen=True)
+class RecordSource:
+    """A file of neuron records: the pack's own (``ffn.safetensors``) or, the high tier of a
+    4-bit pack, its int8 records (``ffn-high.safetensors``)."""
+
+    path: Path
+    tensors: dict  # the header's tensor infos, by neuron_key
+    record_bytes: int
+    high: bool
+
+    @classmethod
+    def of(cls, m: Manifest, high: bool = False) -> "RecordSource":
+        return cls(m.path / (HIGH_FILE if high else FFN_FILE), check_ffn_file(m, high),
+                   int8_record_bytes(m.hidden_size) if high else m.record_bytes, high)
+
+    def sum_key(self, layer: int) -> str:
+        return high_sum_key(layer) if self.high else neuron_key(layer)
+
+    def decode(self, raw: torch.Tensor, m: Manifest) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Records' bytes -> what the slots take (see :meth:`Manifest.decode_records`)."""
+        return int8_record_parts(raw, m.hidden_size) if self.high else m.decode_records(raw)
+
+
+def check_int8_ratio(int8_ratio: float, load_ratio: float, m: Manifest) -> float:
+    """``int8_ratio`` as loaded (0 <= it <= load_ratio, > 0 only for a pack with a high tier),
+    else ValueError with the reason."""
+    if not 0.0 <= int8_ratio <= 1.0:
+        raise ValueError(f"int8_ratio must be in [0, 1], got {int8_ratio}")
+    if int8_ratio > load_ratio:
+        raise ValueError(f"int8_ratio {int8_ratio} exceeds load_ratio {load_ratio}: the int8 tier "
+                         f"is a share of the resident neurons")
+    if int8_ratio > 0 and m.high != "int8":
+        raise ValueError(f"int8_ratio {int8_ratio} needs 4-bit records with an int8 high tier "
+                         f"(weights q4 or q4-all, packed by this version); {m.path} holds "
+                         f"{m.weights} records")
+    return int8_ratio
 
 
 class SelectiveModel:
@@ -204,17 +245,18 @@ class SelectiveModel:
                  static_ratio: float | None = None, compute_ratio: float | None = None,
                  alpha: float = 0.2, device: str = "cpu", dtype: str | torch.dtype | None = None,
                  dense_layers: int = 0, selection: str = "auto", compute_mode: str = "prompt",
-                 log: Callable[[str], None] = lambda s: None):
+                 int8_ratio: float = 0.0, log: Callable[[str], None] = lambda s: None):
         """Load ``packed_dir`` with ``load_ratio`` of each layer's neurons for ``task`` (the
         catalogue's general profile when None). ``static_ratio``/``compute_ratio`` None = ``load_ratio``;
         the serving path resolves all three once (:class:`~..options.Ratios`) and passes them.
         ``compute_mode``: ``prompt`` (the prompt chooses one set for every decode token, as
         published) or ``token`` (each decode token chooses, :mod:`.token_rule`; thresholds from
-        the task's profile)."""
+        the task's profile). ``int8_ratio`` > 0 (a 4-bit pack): tiered records, the first
+        ``int8_ratio`` of the neurons per layer in the selection's order (the task's base
+        neurons, then the secondary ones) resident as int8 records, the rest as 4-bit ones."""
         t0 = time.perf_counter()
         self.path = Path(packed_dir)
         self.manifest = read_manifest(self.path)
-        self.ffn_tensors = check_ffn_file(self.manifest)
         self.sums = read_checksums(self.manifest)
         self.device = torch.device(device)
         self.dtype = activation_dtype(dtype, self.manifest, self.device)
@@ -238,6 +280,10 @@ class SelectiveModel:
         if load_ratio < 1.0 and self.catalog is None and selection != "random":
             raise ValueError("load_ratio < 1 needs a profiles folder to choose neurons")
         self.load_ratio, self.static_ratio, self.compute_ratio = load_ratio, static_ratio, compute_ratio
+        self.int8_ratio = check_int8_ratio(int8_ratio, load_ratio, self.manifest)
+        self.sources = {"main": RecordSource.of(self.manifest)}
+        if self.int8_ratio > 0:
+            self.sources["high"] = RecordSource.of(self.manifest, high=True)
         self.task = task if task else (self.catalog.default_task if self.catalog else "")
         if self.catalog is not None:
             self.catalog.get(self.task)
@@ -250,27 +296,37 @@ class SelectiveModel:
         self.state.candidates = torch.zeros(self.manifest.num_layers, dtype=torch.int64)
         self.token_tables = self._token_tables(self.task) if self.state.per_token else None
         act = activation_name(self.config)
-        self.mlps: list[SelectiveMLP] = []
+        self.mlps: list[SelectiveMLP | TieredMLP] = []
         for layer, block in enumerate(self.model.model.layers):
-            block.mlp = SelectiveMLP(self.manifest.hidden_size, act, self.state, layer,
-                                     self.dtype, self.device)
+            stores = [SelectiveMLP(self.manifest.hidden_size, act, self.state, layer, self.dtype,
+                                   self.device) for _ in self.sources]
+            for store, source in zip(stores, ("main", "high")):
+                store.source = source
+            block.mlp = stores[0] if len(stores) == 1 else TieredMLP(hi=stores[1], lo=stores[0])
             self.mlps.append(block.mlp)
         with CountingReader(self.path / OTHER_FILE) as r:
             _load_other(self.model, self.config, self.path, self.dtype, self.device, r, self.manifest,
                         self.sums)
             self.bytes_read = r.bytes_read
         sel = self._selection(self.task)
-        with CountingReader(self.path / FFN_FILE) as r:
+        readers = self._readers()
+        try:
             for layer in progress(range(self.manifest.num_layers), desc="load FFN neurons"):
-                self._load_layer(r, layer, sel.neurons[layer], sel.n_static[layer])
-            self.bytes_read += r.bytes_read
+                for store, ids, n_static in self._tiers(layer, sel):
+                    self._load_layer(readers[store.source], store, layer, ids, n_static)
+        finally:
+            self.bytes_read += sum(r.bytes_read for r in readers.values())
+            for r in readers.values():
+                r.close()
         self.model.eval()
         self.set_compute_ratio(compute_ratio)
         if self.manifest.quantized_ffn:  # compiles the kernel now (once per machine), not at a goal
             how = (kernel_status() if self.device.type == "cpu"
                    else f"rows dequantized for float products on {self.device}")
-            log(f"[load] {'4-bit' if self.manifest.q4_ffn else 'int8'} weights: {how}; "
-                f"{str(self.dtype).removeprefix('torch.')} activations")
+            what = "int8" if not self.manifest.q4_ffn else (
+                f"tiered (int8 {self.int8_ratio:g}, 4-bit the rest)" if self.int8_ratio else "4-bit")
+            log(f"[load] {what} weights: {how}; {str(self.dtype).removeprefix('torch.')} "
+                f"activations")
         self.load_seconds = time.perf_counter() - t0
         log(f"[load] {self.manifest.model_id} task={self.task or '-'} gamma={load_ratio} "
             f"phi={compute_ratio}: {self.bytes_read / 2**20:.1f} MiB read in {self.load_seconds:.2f} s")
@@ -309,50 +365,70 @@ class SelectiveModel:
         return Selection(neurons, n_static)
 
     # -- loading ---------------------------------------------------------------------------
-    def _empty_slots(self, k: int) -> Slots:
-        m = self.manifest
-        return Slots.empty(k, m.hidden_size, self.dtype, m.int8_ffn, self.device,
-                           m.record_bytes if m.q4_ffn else 0, token_layout=self.state.per_token,
-                           tiled=m.int8_ffn and not self.state.per_token and tiles_pay(self.device))
+    def _readers(self) -> dict[str, CountingReader]:
+        """An open reader per record file (close them)."""
+        return {name: CountingReader(src.path) for name, src in self.sources.items()}
 
-    def _load_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor, n_static: int) -> int:
-        """Fill layer ``layer`` with neurons ``ids`` (slot order) read from disk. Returns records read."""
-        slots = self._empty_slots(ids.numel())
-        got = self._read_into(reader, layer, ids, torch.arange(ids.numel()), slots)
+    def _tiers(self, layer: int, sel: Selection) -> list[tuple[SelectiveMLP, torch.Tensor, int]]:
+        """Layer ``layer``'s stores with their neurons of ``sel`` (slot order) and static counts:
+        the one store, or (tiered) the high tier's, the first ``int8_ratio`` of the neurons in the
+        selection's order, and the low tier's, the rest."""
+        ids, n_static = sel.neurons[layer], sel.n_static[layer]
         mlp = self.mlps[layer]
+        if not isinstance(mlp, TieredMLP):
+            return [(mlp, ids, n_static)]
+        n = min(ids.numel(), neuron_count(self.int8_ratio, self.manifest.intermediate_size))
+        return [(mlp.hi, ids[:n], min(n_static, n)), (mlp.lo, ids[n:], max(0, n_static - n))]
+
+    def _empty_slots(self, k: int, source: str = "main") -> Slots:
+        m = self.manifest
+        int8_slots = m.int8_ffn or source == "high"
+        return Slots.empty(k, m.hidden_size, self.dtype, int8_slots, self.device,
+                           m.record_bytes if m.q4_ffn and source == "main" else 0,
+                           token_layout=self.state.per_token,
+                           tiled=int8_slots and not self.state.per_token and tiles_pay(self.device))
+
+    def _load_layer(self, reader: CountingReader, mlp: SelectiveMLP, layer: int, ids: torch.Tensor,
+                    n_static: int) -> int:
+        """Fill store ``mlp`` of layer ``layer`` with neurons ``ids`` (slot order) read from disk.
+        Returns records read."""
+        slots = self._empty_slots(ids.numel(), mlp.source)
+        got = self._read_into(reader, layer, ids, torch.arange(ids.numel()), slots, mlp.source)
         mlp.dense = layer < self.dense_layers or layer >= self.manifest.num_layers - self.dense_layers
         mlp.set_slots(slots, ids.to(self.device), n_static)
         return got
 
     def _read_into(self, reader: CountingReader, layer: int, ids: torch.Tensor, where: torch.Tensor,
-                   slots: Slots) -> int:
-        """Read neuron records ``ids`` into slots ``where`` of ``slots``. Returns records read."""
+                   slots: Slots, source: str = "main") -> int:
+        """Read neuron records ``ids`` of ``source`` into slots ``where`` of ``slots``. Returns
+        records read."""
+        src = self.sources[source]
+
         def sink(positions: torch.Tensor, raw: torch.Tensor) -> None:  # raw [n, record_bytes]
-            vals, scales = self.manifest.decode_records(raw)
+            vals, scales = src.decode(raw, self.manifest)
             slots.put(where[positions].to(self.device), vals.to(self.device),
                       None if scales is None else scales.to(self.device))
 
-        info = self.ffn_tensors[neuron_key(layer)]
-        return _read_neurons(reader, info.start, self.manifest.record_bytes, ids, sink,
-                             self.sums[neuron_key(layer)], f"layer {layer}")
+        info = src.tensors[neuron_key(layer)]
+        return _read_neurons(reader, info.start, src.record_bytes, ids, sink,
+                             self.sums[src.sum_key(layer)], f"layer {layer}")
 
-    def _stage_layer(self, reader: CountingReader, layer: int, ids: torch.Tensor
+    def _stage_layer(self, reader: CountingReader, mlp: SelectiveMLP, layer: int, ids: torch.Tensor
                      ) -> tuple[torch.Tensor, Slots]:
-        """Read the neurons of ``ids`` that are not resident in layer ``layer``: (their ids in
-        ``ids`` order, their records as slots ``0..n-1``). Changes nothing in the model."""
-        mlp = self.mlps[layer]
+        """Read the neurons of ``ids`` that are not resident in store ``mlp`` of layer ``layer``:
+        (their ids in ``ids`` order, their records as slots ``0..n-1``). Changes nothing in the
+        model."""
         resident = torch.zeros(self.manifest.intermediate_size, dtype=torch.bool)
         resident[mlp.slot_ids.cpu()] = True
         incoming = ids[~resident[ids]]
-        staged = self._empty_slots(incoming.numel())
-        self._read_into(reader, layer, incoming, torch.arange(incoming.numel()), staged)
+        staged = self._empty_slots(incoming.numel(), mlp.source)
+        self._read_into(reader, layer, incoming, torch.arange(incoming.numel()), staged, mlp.source)
         return incoming, staged
 
-    def _apply_layer(self, layer: int, ids: torch.Tensor, n_static: int, incoming: torch.Tensor,
-                     staged: Slots) -> None:
-        """Make layer ``layer`` hold ``ids`` (base neurons ``ids[:n_static]`` in the static prefix)
+    def _apply_layer(self, mlp: SelectiveMLP, ids: torch.Tensor, n_static: int,
+                     incoming: torch.Tensor, staged: Slots) -> None:
+        """Make store ``mlp`` hold ``ids`` (base neurons ``ids[:n_static]`` in the static prefix)
         from its resident neurons and the staged records of ``incoming``; no I/O."""
-        mlp = self.mlps[layer]
         inter = self.manifest.intermediate_size
         dev = self.device
         every = torch.arange(incoming.numel(), device=dev)
@@ -361,7 +437,7 @@ class SelectiveModel:
         if mlp.n_loaded != ids.numel():  # per-layer budgets differ between tasks: new buffers
             old = where[ids]
             hit = old >= 0
-            slots = self._empty_slots(ids.numel())
+            slots = self._empty_slots(ids.numel(), mlp.source)
             slots.copy(torch.nonzero(hit).flatten().to(dev), mlp.slots, old[hit].to(dev))
             miss = torch.nonzero(~hit).flatten().to(dev)  # ids[~hit] == incoming, same order
             slots.copy(miss, staged, every)
@@ -388,23 +464,33 @@ class SelectiveModel:
         self.catalog.reload(task)
         tables = self._token_tables(task) if self.state.per_token else None  # refused before any read
         sel = self._selection(task)
-        with CountingReader(self.path / FFN_FILE) as r:
-            staged = []
+        readers = self._readers()
+        staged = []  # (store, ids, n_static, incoming, staged slots) of every layer and tier
+        try:
             for layer in range(self.manifest.num_layers):
                 if cancel is not None and cancel():
                     raise SwitchCanceled(f"switch to {task[:64]!r} canceled; {self.task!r} "
                                          f"stays active")
-                staged.append(self._stage_layer(r, layer, sel.neurons[layer]))
-            nbytes = r.bytes_read
+                for store, ids, n_static in self._tiers(layer, sel):
+                    staged.append((store, ids, n_static,
+                                   *self._stage_layer(readers[store.source], store, layer, ids)))
+            nbytes = sum(r.bytes_read for r in readers.values())
+        finally:
+            for r in readers.values():
+                r.close()
+        # a neuron dropped leaves the layer; one that changes tier is read again, not dropped
         dropped = sum(int((~torch.isin(m.slot_ids.cpu(), sel.neurons[layer])).sum())
                       for layer, m in enumerate(self.mlps))
-        for layer, (incoming, rec) in enumerate(staged):
-            self._apply_layer(layer, sel.neurons[layer], sel.n_static[layer], incoming, rec)
+        moved = sum(int(inc.numel()) for _, _, _, inc, _ in staged) - sum(
+            int((~torch.isin(sel.neurons[layer], m.slot_ids.cpu())).sum())
+            for layer, m in enumerate(self.mlps))
+        for store, ids, n_static, incoming, rec in staged:
+            self._apply_layer(store, ids, n_static, incoming, rec)
         self.token_tables = tables
         self.task = task
         self.set_compute_ratio(self.compute_ratio)
-        read = sum(inc.numel() for inc, _ in staged)
-        return SwitchReport(task, time.perf_counter() - t0, nbytes, read, dropped)
+        read = sum(inc.numel() for _, _, _, inc, _ in staged)
+        return SwitchReport(task, time.perf_counter() - t0, nbytes, read, dropped, moved)
 
     # -- runtime knobs -----------------------------------------------------------------------
     def set_compute_ratio(self, phi: float) -> None:
@@ -415,15 +501,17 @@ class SelectiveModel:
         if self.token_tables is not None:  # every loaded neuron may be computed: thresholds decide
             gate, act = token_rule.thresholds(*self.token_tables, phi)
             for mlp in self.mlps:
-                mlp.set_active(mlp.n_loaded)
-                mlp.gate_thr, mlp.act_thr = (0.0, 0.0) if mlp.dense else (gate[mlp.layer], act[mlp.layer])
+                for p in mlp.parts:
+                    p.set_active(p.n_loaded)
+                mlp.set_thresholds(*((0.0, 0.0) if mlp.dense else (gate[mlp.layer], act[mlp.layer])))
             return
         uniform = len({m.n_loaded for m in self.mlps}) == 1
         for mlp in self.mlps:
-            if uniform:
+            if uniform and not isinstance(mlp, TieredMLP):
                 mlp.set_active(neuron_count(phi, self.manifest.intermediate_size))
-            else:
-                mlp.set_active(int(mlp.n_loaded * phi / self.load_ratio + 0.5))
+            else:  # per-layer budgets, or tiers: the same share phi / gamma of each store's
+                for p in mlp.parts:
+                    p.set_active(int(p.n_loaded * phi / self.load_ratio + 0.5))
 
     def _token_tables(self, task: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The task profile's per-token thresholds (refused, said why, when it has none)."""
@@ -472,10 +560,15 @@ class SelectiveModel:
 
     def active_neuron_ids(self) -> list[torch.Tensor]:
         """Per layer, the neuron ids computed in decode (after the last prefill's selection)."""
-        return [m.slot_ids[: m.n_active].cpu() for m in self.mlps]
+        return [torch.cat([p.slot_ids[: p.n_active].cpu() for p in m.parts]) for m in self.mlps]
 
     def loaded_neuron_ids(self) -> list[torch.Tensor]:
         return [m.slot_ids.cpu() for m in self.mlps]
+
+    def high_neuron_ids(self) -> list[torch.Tensor]:
+        """Per layer, the neurons resident in the high tier (int8 records; none untiered)."""
+        return [m.hi.slot_ids.cpu() if isinstance(m, TieredMLP) else torch.zeros(0, dtype=torch.long)
+                for m in self.mlps]
 
     def weight_bytes(self) -> dict[str, int]:
         ffn = sum(m.weight_bytes() for m in self.mlps)

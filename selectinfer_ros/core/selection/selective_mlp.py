@@ -250,6 +250,16 @@ class SelectiveMLP(nn.Module):
         self.width: int | None = None
         self.masked = False
         self._votes_of: tuple[int | None, torch.Tensor, torch.Tensor] | None = None  # by neuron id
+        self.counts_tokens = True  # counts decode tokens in state.decoded (a tier's second: no)
+
+    @property
+    def parts(self) -> tuple["SelectiveMLP", ...]:
+        """The slot stores of the layer: this one (a :class:`TieredMLP` has two)."""
+        return (self,)
+
+    def set_thresholds(self, gate: float, act: float) -> None:
+        """Per-token mode: the layer's gate and activation thresholds."""
+        self.gate_thr, self.act_thr = gate, act
 
     @property
     def slots(self) -> Slots:
@@ -311,11 +321,14 @@ class SelectiveMLP(nn.Module):
             if self.layer < self.state.kept.numel():
                 self.state.kept[self.layer] += int(keep.sum())
                 self.state.candidates[self.layer] += int(cand.sum())
-                if self.layer == 0:
+                if self.layer == 0 and self.counts_tokens:
                     self.state.decoded += keep[..., 0].numel()
         elif self.masked and not self.state.prefill:  # rows computing different neurons
             h = h * self.row_mask[self.state.rows, :k].unsqueeze(-2)  # [B, 1, k]
-        y = self._down(h, k).to(x.dtype)  # [B, T, H]
+        if per_token and self.rec is not None:  # 4-bit records: the kept list's product, as the
+            y = self._down_kept(h, keep).to(x.dtype)  # kernel groups it (its rounding too)
+        else:
+            y = self._down(h, k).to(x.dtype)  # [B, T, H]
         if self.state.prefill and not self.state.per_token and (
                 self.n_active < self.n_loaded or self.state.row is not None):
             t0 = time.perf_counter()
@@ -339,6 +352,18 @@ class SelectiveMLP(nn.Module):
             part = h[..., c:c + _CHUNK] @ self.down[c:min(k, c + _CHUNK)].to(h.dtype)
             y = part if y is None else y.add_(part)
         return y
+
+    def _down_kept(self, h: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``h`` ``[B, T, k]`` through the down columns of the records each position kept
+        (``keep``), over the kept list in slot order (the decode kernel's groups of 32 of it) ->
+        ``[B, T, H]``."""
+        rows, flags = h.reshape(-1, h.shape[-1]), keep.reshape(-1, keep.shape[-1])
+        y = rows.new_zeros(rows.shape[0], self.hidden)
+        for r in range(rows.shape[0]):
+            idx = flags[r].nonzero().flatten()
+            if idx.numel():
+                y[r] = q4.records_down(rows[r:r + 1, idx], self.rec[idx], self.hidden)[0]
+        return y.view(*h.shape[:-1], self.hidden)
 
     def _votes(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A prompt's (or chunk's) votes per slot ``[k]``: counts of tokens whose top-alpha holds
@@ -487,4 +512,81 @@ class SelectiveMLP(nn.Module):
 
     def neuron_bytes(self) -> int:
         """Resident bytes of one loaded neuron (its rows and scales)."""
+        return self.weight_bytes() // max(1, self.n_loaded)
+
+
+class TieredMLP(nn.Module):
+    """One layer's MLP over tiered records: the high tier ``hi`` (int8 slots: the layer's most
+    valued resident neurons) and the low tier ``lo`` (4-bit records: the rest), each a
+    :class:`SelectiveMLP` with its own slots, static prefix, active prefix and selection; the
+    output is the sum of both. A neuron lies in exactly one tier."""
+
+    def __init__(self, hi: SelectiveMLP, lo: SelectiveMLP):
+        super().__init__()
+        self.hi, self.lo = hi, lo
+        lo.counts_tokens = False
+
+    @property
+    def parts(self) -> tuple[SelectiveMLP, SelectiveMLP]:
+        return (self.hi, self.lo)
+
+    @property
+    def layer(self) -> int:
+        return self.hi.layer
+
+    @property
+    def state(self) -> SelectionState:
+        return self.hi.state
+
+    @property
+    def n_loaded(self) -> int:
+        return self.hi.n_loaded + self.lo.n_loaded
+
+    @property
+    def n_active(self) -> int:
+        return self.hi.n_active + self.lo.n_active
+
+    @property
+    def dense(self) -> bool:
+        return self.hi.dense
+
+    @dense.setter
+    def dense(self, value: bool) -> None:
+        self.hi.dense = self.lo.dense = value
+
+    @property
+    def gate_thr(self) -> float:
+        return self.hi.gate_thr
+
+    @property
+    def act_thr(self) -> float:
+        return self.hi.act_thr
+
+    def set_thresholds(self, gate: float, act: float) -> None:
+        for p in self.parts:
+            p.gate_thr, p.act_thr = gate, act
+
+    @property
+    def slot_ids(self) -> torch.Tensor:
+        """Every resident neuron's id: the high tier's slots, then the low tier's."""
+        return torch.cat([self.hi.slot_ids, self.lo.slot_ids])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, H]
+        held = [p for p in self.parts if p.n_loaded]  # int8_ratio = load_ratio: no 4-bit tier
+        y = held[0](x)
+        return y + held[1](x) if len(held) > 1 else y
+
+    def share_rows(self, rows: int) -> None:
+        for p in self.parts:
+            p.share_rows(rows)
+
+    def release_row(self, row: int) -> None:
+        for p in self.parts:
+            p.release_row(row)
+
+    def weight_bytes(self) -> int:
+        return self.hi.weight_bytes() + self.lo.weight_bytes()
+
+    def neuron_bytes(self) -> int:
+        """Resident bytes of one loaded neuron, on average over the tiers."""
         return self.weight_bytes() // max(1, self.n_loaded)

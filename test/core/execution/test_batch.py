@@ -148,27 +148,31 @@ def test_requests_of_different_compute_ratios_decode_together_each_with_its_own_
     assert all(not m.live and m.width is None and not m.masked for m in sm.mlps)
 
 
-@pytest.mark.parametrize("weights", ["int8", "q4"])
+@pytest.mark.parametrize("weights", ["int8", "q4", "tiers"])
 def test_masked_rows_in_the_kernel_equal_the_torch_path(tiny_models, tiny_profiles, weights,
                                                        tmp_path):
     """Rows of one decode step computing different neurons of the shared prefix (tiny Llama,
-    int8 and 4-bit records, compute ratios 0.3 / 0.5 / 0.7 of gamma 0.7): the decode kernel's
-    logits equal the torch path's on the same slots and masks, and differ without the masks."""
+    int8 and 4-bit records, and tiered ones (int8 0.3, 4-bit the rest), compute ratios
+    0.3 / 0.5 / 0.7 of gamma 0.7): the decode kernel's logits equal the torch path's on the same
+    slots and masks, and differ without the masks."""
     from selectinfer_ros.core.format.pack import pack
     hf, packed = tiny_models["tiny-llama"]
-    if weights == "q4":
+    if weights != "int8":
         packed = pack(hf, tmp_path / "q4", weights="q4", log=lambda s: None).path
     else:
         packed = pack_of(packed, "int8", lambda s: None)
     sm = SelectiveModel(packed, tiny_profiles["tiny-llama"], "alpha", load_ratio=0.7,
-                        static_ratio=0.2, compute_ratio=0.5)
+                        static_ratio=0.2, compute_ratio=0.5,
+                        int8_ratio=0.3 if weights == "tiers" else 0.0)
+    parts = [p for m in sm.mlps for p in m.parts]
+    assert len(parts) == (2 if weights == "tiers" else 1) * len(sm.mlps)
     e = Engine.from_selective(sm)
     assert e.decoder.path == "int8 decode kernel"
     batch = Batch(e, 3)
     rows = [batch.join(f"w{11 * i} w{7 + i} w{40 - i} w{3 * i}",
                        GenerationConfig(max_new_tokens=8, compute_ratio=r, ignore_eos=True))
             for i, r in enumerate((0.3, 0.5, 0.7))]
-    assert all(m.masked for m in sm.mlps)
+    assert all(m.masked for m in parts)
     d = e.decoder
     toks, slots = [r.tok for r in rows], [r.slot for r in rows]
     lengths = list(d.lengths)
@@ -186,7 +190,7 @@ def test_masked_rows_in_the_kernel_equal_the_torch_path(tiny_models, tiny_profil
     kernel, torch_path = step(d.native), step(None)
     scale = float(torch_path.abs().max())
     assert torch.allclose(kernel, torch_path, rtol=0, atol=2e-4 * scale)
-    for m in sm.mlps:
+    for m in parts:
         m.masked = False
     e.state.version += 1
     unmasked = step(d.native)

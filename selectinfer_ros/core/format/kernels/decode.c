@@ -35,9 +35,10 @@ int si_decode_batch(const si_model *m, const si_layer *layers, int64_t n_layers,
             double t1 = timing && t == 0 ? now() : 0.0;
             if (L->token) {
                 for (int64_t b = 0; b < B; b++)
-                    (L->rec ? mlp_step_q4_token : mlp_step_token)(&R[b], L, x + b * H, t, nt);
+                    (L->rec ? (L->gu ? mlp_step_tiers_token : mlp_step_q4_token)
+                            : mlp_step_token)(&R[b], L, x + b * H, t, nt);
             } else {
-                (L->rec ? mlp_rows_q4 : mlp_rows)(m, R, L, x, B, t, nt);
+                (L->rec ? (L->gu ? mlp_rows_tiers : mlp_rows_q4) : mlp_rows)(m, R, L, x, B, t, nt);
             }
             if (timing && t == 0) {
                 timing[0] += t1 - t0;

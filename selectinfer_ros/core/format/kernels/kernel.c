@@ -42,6 +42,7 @@
      attention.c   one layer's attention for a batch's rows
      mlp_int8.c    the MLP over int8 neuron slots (active prefix, per-token selection)
      mlp_q4.c      the MLP over 4-bit neuron records (active prefix, per-token selection)
+     mlp_tiers.c   the MLP over tiered slots: int8 and 4-bit records, each its own prefix
      decode.c      si_decode_batch: every layer of a step in one parallel region
 */
 #include "common.h"
@@ -52,4 +53,5 @@
 #include "attention.c"
 #include "mlp_int8.c"
 #include "mlp_q4.c"
+#include "mlp_tiers.c"
 #include "decode.c"

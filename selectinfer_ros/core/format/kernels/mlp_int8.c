@@ -1,19 +1,22 @@
 /* The MLP over int8 neuron slots: the active prefix (mlp_rows) and per-token selection
    (mlp_step_token). Part of kernel.c. */
-/* One layer's MLP over the active prefix for the B rows of a batch, run by every member; same
-   barriers as above. Rows that compute different neurons of the prefix (si_layer.mask) zero the
-   others' activations before the down product: their blocks quantize only their own values. */
-static void mlp_rows(const si_model *m, const si_model *R, const si_layer *L, float *x,
-                     int64_t B, int t, int nt) {
+/* The gate and up rows of the active prefix for the B rows of a batch (their input quantized in
+   R[b]): gu [2k] per row; no barrier. */
+static void gate_up_int8(const si_model *m, const si_model *R, const si_layer *L, int64_t B,
+                         int t, int nt) {
     int64_t H = m->hidden, k = L->n_active, K = m->max_k;
-    for (int64_t b = t; b < B; b += nt) rms_norm(x + b * H, L->pre_mlp_norm, H, m->eps, R[b].h);
-    barrier();
-    for (int64_t b = 0; b < B; b++) quantize_part_prep(&R[b], R[b].h, H, t, nt);
-    barrier();
     si_mat gum = {L->gu, L->gu_scale, 2 * k, H, L->tiled ? (H + QK - 1) / QK : H, NULL, 0, NULL,
                   L->tiled};
     gemv_rows(&gum, R, B, m->h, K, m->gu, 2 * K, t, nt);
-    barrier();
+}
+
+/* After gate_up_int8 and a barrier: the activations, quantized, then the down product into each
+   row's h; no barrier at the end. Rows that compute different neurons of the prefix
+   (si_layer.mask) zero the others' activations before the down product: their blocks quantize
+   only their own values. */
+static void down_int8(const si_model *m, const si_model *R, const si_layer *L, int64_t B, int t,
+                      int nt) {
+    int64_t H = m->hidden, k = L->n_active, K = m->max_k;
     /* activations and their quantization, by pairs of blocks: a member's pairs are its own */
     int64_t nbk = (k + QK - 1) / QK, np = (k / QK + 1) / 2, p0, p1;
     share((nbk + 1) / 2, t, nt, &p0, &p1);
@@ -35,6 +38,16 @@ static void mlp_rows(const si_model *m, const si_model *R, const si_layer *L, fl
     si_mat dm = {L->down, NULL, H, k, L->tiled ? (L->down_ld + QK - 1) / QK : L->down_ld, NULL, 0,
                  NULL, L->tiled};
     gemv_rows(&dm, R, B, m->a, K, m->h, K, t, nt);
+}
+
+/* One layer's MLP over the active prefix of int8 slots for the B rows of a batch, run by every
+   member; same barriers as above. */
+static void mlp_rows(const si_model *m, const si_model *R, const si_layer *L, float *x,
+                     int64_t B, int t, int nt) {
+    mlp_input_rows(m, R, L, x, B, t, nt);
+    gate_up_int8(m, R, L, B, t, nt);
+    barrier();
+    down_int8(m, R, L, B, t, nt);
     barrier();
     mlp_residual(m, R, L, x, B, t, nt);
 }
@@ -105,18 +118,15 @@ static void down_rows_part(const int8_t *down, int64_t ld, const int32_t *idx, c
     }
 }
 
-/* The MLP with per-token selection over int8 slots (gate rows [n_active, H] at gu, up rows
-   [n_active, H] at up, down neuron-major [n_active, H] at row stride down_ld): each member runs
-   the gate rows of its share of the slots as one stream, lists its candidates, reads their up
-   rows where they lie and keeps its neurons; then the members split the down product by ranges
-   of H (16 floats a unit). Same barriers as mlp_step. */
-static void mlp_step_token(const si_model *m, const si_layer *L, float *x, int t, int nt) {
+/* Per-token selection over int8 slots (gate rows [n_active, H] at gu, up rows [n_active, H] at
+   up, down neuron-major [n_active, H] at row stride down_ld), its input quantized: each member
+   runs the gate rows of its share of the slots as one stream, lists its candidates, reads their
+   up rows where they lie and keeps its neurons; then the members split the down product by
+   ranges of H (16 floats a unit), into h. Returns the neurons kept; *cand: the candidates. Ends
+   with a barrier. */
+static int64_t token_int8(const si_model *m, const si_layer *L, int64_t *cand, int t, int nt) {
     int64_t H = m->hidden, k = L->n_active, nfull = H / QK, from = nfull * QK;
     float *h = m->h, *g = m->gu + k; /* g [k]: the slots' gate values, then act(gate) */
-    if (t == 0) rms_norm(x, L->pre_mlp_norm, H, m->eps, h);
-    barrier();
-    quantize_part(m, h, H, t, nt);
-    barrier();
     int64_t n0, n1, c = 0, nc = 0; /* kept, candidates */
     share(k, t, nt, &n0, &n1);
     rows_q(L->gu, H, H, L->gu_scale, m->xq, m->xd, h, g, n0, n1);
@@ -155,17 +165,19 @@ static void mlp_step_token(const si_model *m, const si_layer *L, float *x, int t
     m->cand[t] = nc;
     barrier();
     int64_t kept = compact_kept(m, n0, t, nt);
+    *cand = sum_candidates(m, nt);
     barrier();
     int64_t c0, c1;
     share((H + 15) / 16, t, nt, &c0, &c1);
     down_rows_part(L->down, L->down_ld, m->idx + m->max_k, m->gu, kept, h, c0 * 16,
                    c1 * 16 < H ? c1 * 16 : H);
     barrier();
-    if (t == 0) {
-        if (L->kept) *L->kept += kept;
-        if (L->candidates) *L->candidates += sum_candidates(m, nt);
-        if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, H, m->eps, h);
-        for (int64_t i = 0; i < H; i++) x[i] += h[i];
-    }
-    barrier();
+    return kept;
+}
+
+/* The MLP with per-token selection over int8 slots, one row (token_int8). */
+static void mlp_step_token(const si_model *m, const si_layer *L, float *x, int t, int nt) {
+    mlp_input_row(m, L, x, t, nt);
+    int64_t cand, kept = token_int8(m, L, &cand, t, nt);
+    mlp_token_end(m, L, x, kept, cand, t);
 }

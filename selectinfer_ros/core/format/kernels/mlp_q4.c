@@ -12,10 +12,11 @@
 #define PF_RECORDS 4
 #endif
 
-/* A row's (r: its scratch) partial down sums of thread u over 4-bit records: h for thread 0
-   (free once the MLP's input is quantized), part for the others. */
-static inline float *q4_part(const si_model *r, int u) {
-    return u == 0 ? r->h : r->part + (u - 1) * r->max_k;
+/* A row's (r: its scratch) partial down sums of thread u over 4-bit records: for thread 0 h
+   (free once the MLP's input is quantized), or q in a tiered layer (whose int8 tier writes h),
+   part for the others. */
+static inline float *q4_part(const si_model *r, int u, int tiered) {
+    return u == 0 ? (tiered ? r->q : r->h) : r->part + (u - 1) * r->max_k;
 }
 
 /* y[0, H) += the down product of list entries [n0, n0 + G) (one coefficient group of a list
@@ -38,34 +39,32 @@ static void down_q4_group(const si_layer *L, int64_t H, const float *a, const in
     }
 }
 
-/* The partial down sums of threads 1 .. nt - 1 added into h (row scratch r), a share of the
-   blocks of H each: every path and row sums a layer's groups in the same order. */
-static void add_q4_parts(const si_model *r, int64_t H, int t, int nt) {
+/* The partial down sums of threads 1 .. nt - 1 (and thread 0's in q, tiered) added into h (row
+   scratch r), a share of the blocks of H each: every path and row sums a layer's groups in the
+   same order. */
+static void add_q4_parts(const si_model *r, int64_t H, int tiered, int t, int nt) {
     int64_t j0, j1;
     share(H / QK, t, nt, &j0, &j1);
-    for (int u = 1; u < nt; u++) {
-        const float *p = q4_part(r, u);
+    for (int u = tiered ? 0 : 1; u < nt; u++) {
+        const float *p = q4_part(r, u, tiered);
         for (int64_t j = j0 * QK; j < j1 * QK; j++) r->h[j] += p[j];
     }
 }
 
-static void mlp_rows_q4(const si_model *m, const si_model *R, const si_layer *L, float *x,
-                        int64_t B, int t, int nt) {
-    int64_t H = m->hidden, k = L->n_active, nb = H / QK, RL = L->rec_ld, hb = q4_head_bytes(H);
-    for (int64_t b = t; b < B; b += nt) rms_norm(x + b * H, L->pre_mlp_norm, H, m->eps, R[b].h);
-    barrier();
-    for (int64_t b = 0; b < B; b++) quantize_part(&R[b], R[b].h, H, t, nt);
-    barrier();
-    /* One pass over the records, in memory order: each thread takes whole groups of DG
-       neurons (the down product's coefficient groups), reads a group's gate and up rows, then
-       its down columns while they are in the cache, and sums its groups' down products into
-       its own partial sums (q4_part). */
+/* The active records rec[:rec_active] for the B rows of a batch (their input quantized in R[b]),
+   into each row's partial sums (q4_part); no barrier. One pass over the records, in memory
+   order: each thread takes whole groups of DG neurons (the down product's coefficient groups),
+   reads a group's gate and up rows, then its down columns while they are in the cache, and sums
+   its groups' down products into its own partial sums. */
+static void records_q4(const si_model *m, const si_model *R, const si_layer *L, int64_t B,
+                       int tiered, int t, int nt) {
+    int64_t H = m->hidden, k = L->rec_active, nb = H / QK, RL = L->rec_ld, hb = q4_head_bytes(H);
     int64_t g0, g1;
     share((k + DG - 1) / DG, t, nt, &g0, &g1);
     const float *mks[SI_MAX_BATCH]; /* each row's mask (NULL: none) */
     for (int64_t b = 0; b < B; b++) {
-        memset(q4_part(&R[b], t), 0, (size_t)H * sizeof(float));
-        mks[b] = row_mask(m, L, b);
+        memset(q4_part(&R[b], t, tiered), 0, (size_t)H * sizeof(float));
+        mks[b] = rec_row_mask(m, L, b);
     }
     for (int64_t g = g0; g < g1; g++) {
         int64_t n0 = g * DG, G = k - n0 < DG ? k - n0 : DG;
@@ -89,29 +88,34 @@ static void mlp_rows_q4(const si_model *m, const si_model *R, const si_layer *L,
             }
         }
         for (int64_t b = 0; b < B; b++)
-            down_q4_group(L, H, R[b].a, NULL, n0, G, k, q4_part(&R[b], t), 0);
+            down_q4_group(L, H, R[b].a, NULL, n0, G, k, q4_part(&R[b], t, tiered), 0);
     }
+}
+
+/* One layer's MLP over the active 4-bit records for the B rows of a batch. */
+static void mlp_rows_q4(const si_model *m, const si_model *R, const si_layer *L, float *x,
+                        int64_t B, int t, int nt) {
+    mlp_input_rows(m, R, L, x, B, t, nt);
+    records_q4(m, R, L, B, 0, t, nt);
     barrier();
-    for (int64_t b = 0; b < B; b++) add_q4_parts(&R[b], H, t, nt);
+    for (int64_t b = 0; b < B; b++) add_q4_parts(&R[b], m->hidden, 0, t, nt);
     barrier();
     mlp_residual(m, R, L, x, B, t, nt);
 }
 
-/* The same over 4-bit records: gate and up rows as mlp_step_q4 reads them (up for the
-   candidates only), the down product of axpy_q4_part over the kept list, read in place. */
-static void mlp_step_q4_token(const si_model *m, const si_layer *L, float *x, int t, int nt) {
-    int64_t H = m->hidden, k = L->n_active, nb = H / QK, R = L->rec_ld, hb = q4_head_bytes(H);
-    float *h = m->h;
-    if (t == 0) rms_norm(x, L->pre_mlp_norm, H, m->eps, h);
-    barrier();
-    quantize_part(m, h, H, t, nt);
-    barrier();
+/* Per-token selection over 4-bit records rec[:rec_active], its input quantized: gate and up rows
+   as records_q4 reads them (up for the candidates only), the down product over the kept list,
+   read in place, into the partial sums (q4_part). Returns the neurons kept; *cand: the
+   candidates. Ends with a barrier. */
+static int64_t token_q4(const si_model *m, const si_layer *L, int tiered, int64_t *cand, int t,
+                        int nt) {
+    int64_t H = m->hidden, k = L->rec_active, nb = H / QK, R = L->rec_ld, hb = q4_head_bytes(H);
     int64_t n0, n1, c = 0, nc = 0; /* kept, candidates */
     share(k, t, nt, &n0, &n1);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *r = L->rec + n * R;
         const uint8_t *d = r + 3 * H / 2; /* gate's heads, then up's */
-        if (n + PF_RECORDS < n1) { /* a record's gate and up rows and their scales a few
+        if (n + PF_RECORDS < n1) { /* a record's gate and up rows and their heads a few
                                       ahead, into L2 (see PF_RECORDS; most records are
                                       candidates, whose up row is read) */
             const uint8_t *ahead = r + PF_RECORDS * R;
@@ -134,22 +138,24 @@ static void mlp_step_q4_token(const si_model *m, const si_layer *L, float *x, in
     m->cand[t] = nc;
     barrier();
     int64_t kept = compact_kept(m, n0, t, nt);
+    *cand = sum_candidates(m, nt);
     barrier();
-    int64_t g0, g1; /* the kept list's groups, summed as mlp_rows_q4 sums the active prefix's */
+    int64_t g0, g1; /* the kept list's groups, summed as records_q4 sums the active prefix's */
     share((kept + DG - 1) / DG, t, nt, &g0, &g1);
-    float *y = q4_part(m, t);
+    float *y = q4_part(m, t, tiered);
     memset(y, 0, (size_t)H * sizeof(float));
     for (int64_t g = g0; g < g1; g++)
         down_q4_group(L, H, m->gu, m->idx + m->max_k, g * DG,
                       kept - g * DG < DG ? kept - g * DG : DG, kept, y, 1);
     barrier();
-    add_q4_parts(m, H, t, nt);
+    return kept;
+}
+
+/* The MLP with per-token selection over 4-bit records, one row (token_q4). */
+static void mlp_step_q4_token(const si_model *m, const si_layer *L, float *x, int t, int nt) {
+    mlp_input_row(m, L, x, t, nt);
+    int64_t cand, kept = token_q4(m, L, 0, &cand, t, nt);
+    add_q4_parts(m, m->hidden, 0, t, nt);
     barrier();
-    if (t == 0) {
-        if (L->kept) *L->kept += kept;
-        if (L->candidates) *L->candidates += sum_candidates(m, nt);
-        if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, H, m->eps, h);
-        for (int64_t i = 0; i < H; i++) x[i] += h[i];
-    }
-    barrier();
+    mlp_token_end(m, L, x, kept, cand, t);
 }

@@ -63,11 +63,12 @@ typedef struct {
     const int8_t *down;       /* [H, >= n_active] at row stride down_ld */
     const float *down_scale;  /* [>= n_active] */
     int64_t down_ld, n_active;
-    /* 4-bit neuron records instead of gu/down (NULL: int8 slots): [n_loaded] records of
-       rec_ld bytes, each gate, up nibbles and down column nibbles (H / 2 bytes each), then
-       their float16 block scales (H / 32 each); the active prefix is read in place */
+    /* 4-bit neuron records (NULL: none): records of rec_ld bytes, each gate, up nibbles and down
+       column nibbles (H / 2 bytes each), then their heads (q4_head_bytes(H) each); the active
+       prefix rec[:rec_active] is read in place. A layer with int8 slots (gu) and records is
+       tiered: its output is the sum of both products, each over its own active prefix */
     const uint8_t *rec;
-    int64_t rec_ld;
+    int64_t rec_ld, rec_active;
     int64_t token; /* 1: per-token selection over all n_active slots (int8: gate and up rows
                       planar, gu and up; down neuron-major [n_active, H] at row stride down_ld) */
     float gate_thr, act_thr; /* token: |act(gate)| a candidate clears, |act(gate) * up| a kept
@@ -80,6 +81,8 @@ typedef struct {
                           prefix: row b's activations a_n are multiplied by
                           mask[slots[b] * mask_ld + n] (1: its neuron, 0: another row's) */
     int64_t mask_ld;
+    const float *rec_mask; /* the same over the records (NULL: none) */
+    int64_t rec_mask_ld;
 } si_layer;
 
 typedef struct {
@@ -293,9 +296,48 @@ static void mlp_residual(const si_model *m, const si_model *R, const si_layer *L
     barrier();
 }
 
-/* Row b's mask over the layer's active prefix (NULL: it computes all of it). */
+/* Row b's mask over the layer's active prefix of int8 slots (NULL: it computes all of it). */
 static inline const float *row_mask(const si_model *m, const si_layer *L, int64_t b) {
     return L->mask && m->slots ? L->mask + m->slots[b] * L->mask_ld : NULL;
+}
+
+/* The same over its records. */
+static inline const float *rec_row_mask(const si_model *m, const si_layer *L, int64_t b) {
+    return L->rec_mask && m->slots ? L->rec_mask + m->slots[b] * L->rec_mask_ld : NULL;
+}
+
+/* The MLP's input for the B rows of a batch: each row's norm in its h, quantized (and prepared)
+   for the products; ends with a barrier. */
+static void mlp_input_rows(const si_model *m, const si_model *R, const si_layer *L,
+                           const float *x, int64_t B, int t, int nt) {
+    int64_t H = m->hidden;
+    for (int64_t b = t; b < B; b += nt) rms_norm(x + b * H, L->pre_mlp_norm, H, m->eps, R[b].h);
+    barrier();
+    for (int64_t b = 0; b < B; b++) quantize_part_prep(&R[b], R[b].h, H, t, nt);
+    barrier();
+}
+
+/* The same for one row (per-token selection: its products read xq, not prepared activations). */
+static void mlp_input_row(const si_model *m, const si_layer *L, const float *x, int t, int nt) {
+    if (t == 0) rms_norm(x, L->pre_mlp_norm, m->hidden, m->eps, m->h);
+    barrier();
+    quantize_part(m, m->h, m->hidden, t, nt);
+    barrier();
+}
+
+/* The end of a per-token MLP step of one row, its output in h: the layer's kept neurons and
+   candidates counted, the residual added; ends with a barrier. */
+static void mlp_token_end(const si_model *m, const si_layer *L, float *x, int64_t kept,
+                          int64_t cand, int t) {
+    if (t == 0) {
+        int64_t H = m->hidden;
+        float *h = m->h;
+        if (L->kept) *L->kept += kept;
+        if (L->candidates) *L->candidates += cand;
+        if (L->post_mlp_norm) rms_norm(h, L->post_mlp_norm, H, m->eps, h);
+        for (int64_t i = 0; i < H; i++) x[i] += h[i];
+    }
+    barrier();
 }
 
 /* Per-token selection, after every member t has put its cnt[t] kept slots and their values from
