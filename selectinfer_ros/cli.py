@@ -412,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "int8 rows with per-row scales; int8-ffn: only the neuron records; "
                         "int8-q4emb: int8, but the embedding / output layer as 4-bit rows; q4: "
                         "neuron records as 4-bit rows (Q4_K super-blocks of 256), attention "
-                        "and output layer int8; q4-all: those 4-bit too")
+                        "and output layer int8; q4-out8: all but the output layer 4-bit; "
+                        "q4-all: those 4-bit too")
     p.set_defaults(func=cmd_pack)
 
     show = profile_show_parser()

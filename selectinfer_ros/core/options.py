@@ -94,6 +94,11 @@ class ModelOptions:
     static_ratio: float = param(-1.0, f"delta: share of base (task) neurons; -1 = "
                                 f"min({DEFAULT_STATIC_RATIO}, compute_ratio)", lo=0.0, hi=1.0,
                                 special=-1.0)
+    int8_ratio: float = param(0.0, "tiered records (a 4-bit pack: weights q4, q4-all, q4-out8): "
+                              "share of MLP neurons held as int8 records, each layer's most "
+                              "valued resident ones by the task's ranking (base, then secondary), "
+                              "the rest 4-bit; a task switch promotes and demotes; 0 = none; at "
+                              "most load_ratio", lo=0.0, hi=1.0)
     compute_ratio: float = param(0.0, "phi: share of MLP neurons computed per token (goals may "
                                  "ask for another); 0 = load_ratio", lo=0.0, hi=1.0, lo_open=True,
                                  special=0.0, runtime=True)
@@ -136,6 +141,10 @@ class ModelOptions:
         """Cross-setting checks (ParamError with the reason)."""
         if self.memory_budget_mb > 0 or self.min_agreement > 0:  # load_ratio chosen at load
             return
+        if self.int8_ratio > self.load_ratio:
+            raise ParamError(f"int8_ratio {self.int8_ratio:g} exceeds load_ratio "
+                             f"{self.load_ratio:g}: the int8 tier is a share of the resident "
+                             f"neurons")
         try:
             self.ratios
         except ValueError as e:

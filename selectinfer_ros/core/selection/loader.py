@@ -232,7 +232,7 @@ def check_int8_ratio(int8_ratio: float, load_ratio: float, m: Manifest) -> float
                          f"is a share of the resident neurons")
     if int8_ratio > 0 and m.high != "int8":
         raise ValueError(f"int8_ratio {int8_ratio} needs 4-bit records with an int8 high tier "
-                         f"(weights q4 or q4-all, packed by this version); {m.path} holds "
+                         f"(weights q4, q4-out8 or q4-all, packed by this version); {m.path} holds "
                          f"{m.weights} records")
     return int8_ratio
 

@@ -238,6 +238,7 @@ class LoadRatioChoice:
     weights: str = ""  # records chosen ("" = the model's own)
     compute_share: float | None = None  # phi/gamma chosen with it (None: compute_ratio's rule)
     path: str = ""  # the packed folder of ``weights``
+    int8_ratio: float | None = None  # the int8 tier chosen with it (None: the int8_ratio setting)
 
 
 def choose_load_ratio(agreement_ratio: float | None, memory_ratio: float | None,

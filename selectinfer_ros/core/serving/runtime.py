@@ -116,7 +116,8 @@ class Runtime:
             path, profiles, opts.task or None, load_ratio=r.load, static_ratio=r.static,
             compute_ratio=r.compute, alpha=opts.alpha, device=opts.device,
             dtype=opts.dtype or None, dense_layers=opts.dense_layers, selection=opts.selection,
-            compute_mode=opts.compute_mode,
+            compute_mode=opts.compute_mode, int8_ratio=self.load_choice.int8_ratio
+            if self.load_choice.int8_ratio is not None else opts.int8_ratio,
             log=log)
         # another format's curve stands in for records without their own: the gap between the
         # two on the model's measured frontier corrects it
