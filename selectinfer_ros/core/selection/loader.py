@@ -7,6 +7,7 @@ Every byte read is counted.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -402,6 +403,7 @@ class SelectiveModel:
             self._apply_layer(layer, sel.neurons[layer], sel.n_static[layer], incoming, rec)
         self.token_tables = tables
         self.task = task
+        self.state.residency += 1
         self.set_compute_ratio(self.compute_ratio)
         read = sum(inc.numel() for inc, _ in staged)
         return SwitchReport(task, time.perf_counter() - t0, nbytes, read, dropped)
@@ -469,6 +471,19 @@ class SelectiveModel:
         """The request of KV slot ``row`` left its batch (:meth:`SelectiveMLP.release_row`)."""
         for m in self.mlps:
             m.release_row(row)
+
+    def residency_key(self) -> str:
+        """A digest of the resident neurons of every layer (what a prompt's keys and values depend
+        on besides its tokens and the weights): equal keys, equal prefill arithmetic."""
+        version = self.state.residency
+        cached = getattr(self, "_residency", None)
+        if cached is None or cached[0] != version:
+            h = hashlib.sha1(str(self.path.resolve()).encode())
+            for m in self.mlps:
+                h.update(torch.sort(m.slot_ids.cpu())[0].numpy().tobytes())
+                h.update(b"|")
+            cached = self._residency = (version, h.hexdigest())
+        return cached[1]
 
     def active_neuron_ids(self) -> list[torch.Tensor]:
         """Per layer, the neuron ids computed in decode (after the last prefill's selection)."""
