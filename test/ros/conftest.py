@@ -351,3 +351,35 @@ def llm_graph(ros_context, tiny_llm):
         spinner.destroy_nodes()
         assert spinner.error is None, f'executor raised: {spinner.error!r}'
         assert stopped, 'executor thread did not stop within 10 s'
+
+
+# ---------------------------------------------------------------------------------------------
+# a robot agent: a system prompt, tools, Qwen2.5-0.5B behind the node
+# ---------------------------------------------------------------------------------------------
+
+SYSTEM = ("You are the control program of a home robot. It can drive to the rooms kitchen, hall, "
+          "dock and bedroom, pick up objects and speak. Use the tools to act.")
+TOOLS = [
+    {"name": "navigate_to", "description": "Drive to a room.",
+     "parameters": {"type": "object", "properties": {"room": {"enum": ["kitchen", "hall", "dock",
+                                                                       "bedroom"]}},
+                    "required": ["room"], "additionalProperties": False}},
+    {"name": "say", "description": "Say a sentence aloud.",
+     "parameters": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 60}},
+                    "required": ["text"], "additionalProperties": False}},
+]
+
+
+@pytest.fixture
+def robot_agent():
+    """The agent's system prompt and tools (dicts: name, description, parameters)."""
+    import types
+    return types.SimpleNamespace(system=SYSTEM, tools=TOOLS)
+
+
+@pytest.fixture
+def qwen_graph(llm_graph, qwen05):
+    """selectinfer_node on Qwen2.5-0.5B (its template's tool-call format), the prompt cache on."""
+    g = llm_graph(model=str(qwen05), profiles='', task='', load_ratio=1.0, compute_ratio=1.0,
+                  max_new_tokens=32, context_limit=2048, prompt_cache_mb=64.0)
+    return g.ready(timeout=180.0)
