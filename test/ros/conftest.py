@@ -357,24 +357,16 @@ def llm_graph(ros_context, tiny_llm):
 # a robot agent: a system prompt, tools, Qwen2.5-0.5B behind the node
 # ---------------------------------------------------------------------------------------------
 
-SYSTEM = ("You are the control program of a home robot. It can drive to the rooms kitchen, hall, "
-          "dock and bedroom, pick up objects and speak. Use the tools to act.")
-TOOLS = [
-    {"name": "navigate_to", "description": "Drive to a room.",
-     "parameters": {"type": "object", "properties": {"room": {"enum": ["kitchen", "hall", "dock",
-                                                                       "bedroom"]}},
-                    "required": ["room"], "additionalProperties": False}},
-    {"name": "say", "description": "Say a sentence aloud.",
-     "parameters": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 60}},
-                    "required": ["text"], "additionalProperties": False}},
-]
-
-
 @pytest.fixture
 def robot_agent():
-    """The agent's system prompt and tools (dicts: name, description, parameters)."""
+    """The agent's system prompt and tools (dicts: name, description, parameters), as
+    selectinfer_ros/data/examples/robot_agent.json holds them."""
+    import json
     import types
-    return types.SimpleNamespace(system=SYSTEM, tools=TOOLS)
+
+    from selectinfer_ros.core.format.paths import DATA_DIR
+    agent = json.loads((DATA_DIR / "examples" / "robot_agent.json").read_text(encoding="utf-8"))
+    return types.SimpleNamespace(system=agent["system"], tools=agent["tools"])
 
 
 @pytest.fixture

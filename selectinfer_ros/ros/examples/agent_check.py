@@ -17,59 +17,14 @@ Exit status 0 when every check held.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 
-ROOMS = ["kitchen", "hall", "dock", "bedroom", "office", "garage"]
-SYSTEM = (
-    "You are the control program of Rover, a home service robot with a mobile base, one arm "
-    "with a two-finger gripper, a speaker and a camera. Rover works in a flat with six rooms: "
-    "the kitchen (fridge, sink, dishwasher, a table with four chairs), the hall (entrance door, "
-    "coat rack, shoe cabinet), the dock (Rover's charging station next to the hall), the bedroom "
-    "(bed, wardrobe, two night tables), the office (desk, printer, bookshelf) and the garage "
-    "(tools, bicycles, recycling bins). Rover drives at most 1 metre per second; it slows down "
-    "near people, pets and stairs. Its arm lifts objects up to 2 kilograms; it never lifts "
-    "knives, hot pots, glass that is broken or anything alive. Its battery lasts four hours; "
-    "below 15 percent it returns to the dock before doing anything else. It speaks short, "
-    "friendly sentences in the language it is addressed in and never shares what its camera "
-    "sees with anyone but the people who live in the flat. When a request needs an action, call "
-    "exactly one tool; when it is a question Rover can answer from what it knows, answer in one "
-    "short sentence without a tool. When a request is unsafe, say so with the say tool and do "
-    "nothing else. Rooms are named exactly as above. Objects are named with at most three "
-    "words. Speeds are between 0.1 and 1.0 metres per second.")
-TOOLS = [
-    {"name": "navigate_to", "description": "Drive to a room of the flat.",
-     "parameters": {"type": "object", "properties": {"room": {"enum": ROOMS}},
-                    "required": ["room"], "additionalProperties": False}},
-    {"name": "pick", "description": "Pick up an object that Rover sees in front of it.",
-     "parameters": {"type": "object", "properties": {"object": {"type": "string",
-                                                                "maxLength": 32}},
-                    "required": ["object"], "additionalProperties": False}},
-    {"name": "place", "description": "Put the held object down at a place in the current room.",
-     "parameters": {"type": "object", "properties": {"where": {"type": "string",
-                                                               "maxLength": 32}},
-                    "required": ["where"], "additionalProperties": False}},
-    {"name": "say", "description": "Say one short sentence aloud.",
-     "parameters": {"type": "object", "properties": {"text": {"type": "string",
-                                                              "maxLength": 120}},
-                    "required": ["text"], "additionalProperties": False}},
-    {"name": "set_speed", "description": "Set the driving speed in metres per second.",
-     "parameters": {"type": "object", "properties": {"speed": {"type": "number", "minimum": 0.1,
-                                                               "maximum": 1.0}},
-                    "required": ["speed"], "additionalProperties": False}},
-]
-ASKS = [
-    "Go to the kitchen, please.", "Pick up the red cup.", "Tell my son that dinner is ready.",
-    "Drive slower, the cat is sleeping in the hall.", "Put the cup on the table.",
-    "Your battery is at 9 percent.", "Bring me to the office.", "Grab the newspaper.",
-    "Say good night to everyone.", "Go to the bedroom.", "Put it on the night table.",
-    "Speed up to full speed.", "Pick up the blue towel.", "Greet the guest at the door.",
-    "Drive to the garage.", "Pick up the bicycle helmet.", "Place it on the shelf.",
-    "Go back to the hall.", "Announce that the laundry is done.", "Set the speed to 0.3.",
-]
-CONVERSATION = ["Hello Rover, who are you?", "Which rooms do you know?",
-                "Thank you. What do you do when your battery is low?"]
+from ...core.format.paths import DATA_DIR
+
+AGENT = DATA_DIR / "examples" / "robot_agent.json"  # system prompt, 5 tools, 20 requests, 3 turns
 
 
 def _validate(value, schema) -> str:
@@ -104,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     overrides.update(num_threads=args.num_threads, max_new_tokens=48, prompt_cache_mb=256.0,
                      context_limit=4096)
+    agent = json.loads(AGENT.read_text(encoding="utf-8"))
+    system, tools, asks = agent["system"], agent["tools"], agent["requests"]
     ok = True
 
     def check(cond: bool, what: str) -> None:
@@ -121,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.num_threads} threads, {rt.engine.decode_path}", flush=True)
 
         print("1. a 3-turn conversation with a system prompt")
-        messages = [{"role": "system", "content": SYSTEM}]
-        for turn in CONVERSATION:
+        messages = [{"role": "system", "content": system}]
+        for turn in agent["conversation"]:
             messages.append({"role": "user", "content": turn})
             want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             want = list(want["input_ids"] if hasattr(want, "keys") else want)
@@ -136,12 +93,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print("2. the prompt cache: two goals sharing the system prompt and 5 tools")
         rt.engine.prompt_cache.clear()
-        head = render(tok, chat_of([{"role": "system", "content": SYSTEM},
-                                    {"role": "user", "content": ASKS[0]}], TOOLS)).marks[0]
+        head = render(tok, chat_of([{"role": "system", "content": system},
+                                    {"role": "user", "content": asks[0]}], tools)).marks[0]
         firsts = []
-        for ask in ASKS[:2]:
-            out = llm.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}],
-                           tools=TOOLS, tool_choice="required")
+        for ask in asks[:2]:
+            out = llm.chat([{"role": "system", "content": system}, {"role": "user", "content": ask}],
+                           tools=tools, tool_choice="required")
             firsts.append(out)
             r = out.result
             print(f"  prompt {r.prompt_tokens} tokens, cached {r.cached_tokens}, first token after "
@@ -153,40 +110,40 @@ def main(argv: list[str] | None = None) -> int:
         print("3. 20 goals over 5 tools, tool_choice required; a question for auto")
         valid = 0
         t0 = time.perf_counter()
-        for ask in ASKS:
-            out = llm.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}],
-                           tools=TOOLS, tool_choice="required")
+        for ask in asks:
+            out = llm.chat([{"role": "system", "content": system}, {"role": "user", "content": ask}],
+                           tools=tools, tool_choice="required")
             calls = out.tool_calls if out.ok else []
-            spec = {t["name"]: t["parameters"] for t in TOOLS}
+            spec = {t["name"]: t["parameters"] for t in tools}
             why = "no call" if not calls else (
                 f"unknown tool {calls[0].name}" if calls[0].name not in spec else
                 _validate(calls[0].value, spec[calls[0].name]))
             valid += not why
             print(f"  {ask!r:52} -> " + (f"{calls[0].name} {calls[0].arguments}" if calls else
                                          f"{out.status} {out.error_msg}") + (f" ({why})" if why else ""))
-        check(valid == len(ASKS), f"{valid}/{len(ASKS)} calls name a tool and validate "
+        check(valid == len(asks), f"{valid}/{len(asks)} calls name a tool and validate "
                                   f"({time.perf_counter() - t0:.0f} s)")
-        out = llm.chat([{"role": "system", "content": SYSTEM},
+        out = llm.chat([{"role": "system", "content": system},
                         {"role": "user", "content": "What is the capital of France?"}],
-                       tools=TOOLS, tool_choice="auto")
+                       tools=tools, tool_choice="auto")
         check(out.ok and not out.tool_calls and out.text.strip(),
               f"auto, no tool fits: text {out.text.strip()[:70]!r}")
 
         print("4. bad conversations, answered at goal time")
-        bad = [("unknown role", [{"role": "robot", "content": "hi"}], TOOLS, "auto"),
+        bad = [("unknown role", [{"role": "robot", "content": "hi"}], tools, "auto"),
                ("a schema that does not compile", [{"role": "user", "content": "go"}],
                 [{"name": "go", "parameters": {"type": "object",
                                                "properties": {"x": {"type": "strnig"}}}}], "auto"),
-               ("tool_choice naming no tool", [{"role": "user", "content": "go"}], TOOLS, "fly"),
-               ("past the context", [{"role": "user", "content": "kitchen " * 5000}], TOOLS,
+               ("tool_choice naming no tool", [{"role": "user", "content": "go"}], tools, "fly"),
+               ("past the context", [{"role": "user", "content": "kitchen " * 5000}], tools,
                 "auto")]
-        for name, msgs, tools, choice in bad:
+        for name, msgs, offered, choice in bad:
             t0 = time.perf_counter()
-            out = llm.chat(msgs, tools=tools, tool_choice=choice)
+            out = llm.chat(msgs, tools=offered, tool_choice=choice)
             dt = time.perf_counter() - t0
             check(out.status == "REJECTED" and dt < 1.0,
                   f"{name}: {out.status} after {dt:.3f} s: {b.inference.snapshot().last_rejection}")
-        out = llm.chat([{"role": "user", "content": "Go to the dock."}], tools=TOOLS,
+        out = llm.chat([{"role": "user", "content": "Go to the dock."}], tools=tools,
                        tool_choice="navigate_to")
         check(out.ok and out.tool_calls[0].name == "navigate_to", "the next goal is served")
         print(f"prompt cache: {rt.engine.prompt_cache.snapshot()}")

@@ -13,26 +13,15 @@ import jsonschema
 import pytest
 
 from selectinfer_ros.core.execution.chat import chat_of, render
+from selectinfer_ros.core.format.paths import DATA_DIR
 from selectinfer_ros.core.options import ModelOptions, NodeSettings
 from selectinfer_ros.core.serving import server as serving
 from selectinfer_ros.core.serving.runtime import Runtime
 from selectinfer_ros.core.serving.server import GoalJob, Rejected, Server
 
 SETTINGS = NodeSettings(max_new_tokens=48, max_new_tokens_limit=256)
-SYSTEM = ("You are the control program of a home robot. It can drive to the rooms kitchen, hall, "
-          "dock and bedroom, pick up objects and speak. Use the tools to act.")
-TOOLS = [
-    {"name": "navigate_to", "description": "Drive to a room.",
-     "parameters": {"type": "object", "properties": {"room": {"enum": ["kitchen", "hall", "dock",
-                                                                       "bedroom"]}},
-                    "required": ["room"], "additionalProperties": False}},
-    {"name": "pick", "description": "Pick up an object.",
-     "parameters": {"type": "object", "properties": {"object": {"type": "string", "maxLength": 24}},
-                    "required": ["object"], "additionalProperties": False}},
-    {"name": "say", "description": "Say a sentence aloud.",
-     "parameters": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 80}},
-                    "required": ["text"], "additionalProperties": False}},
-]
+AGENT = json.loads((DATA_DIR / "examples" / "robot_agent.json").read_text(encoding="utf-8"))
+SYSTEM, TOOLS = AGENT["system"], AGENT["tools"]
 
 
 def msg(role, content="", tool_calls=(), tool_call_id=""):
