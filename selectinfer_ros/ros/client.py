@@ -42,8 +42,9 @@ STATUS_REJECTED = "REJECTED"
 STATUS_TIMEOUT = "TIMEOUT"
 STATUS_NO_SERVER = "NO_SERVER"
 STATUS_FAILED = "FAILED"  # a service call answered success=false
-# a json_schema/grammar goal that succeeded but whose answer was cut off (max_new_tokens, the
-# context, a stop string) before it was complete: never reported as a success
+# a json_schema/grammar goal, or a tool call, that succeeded but whose answer was cut off
+# (max_new_tokens, the context, a stop string) before it was complete: never reported as a
+# success (a text answer of a chat goal with tools is cut off as any text is: SUCCEEDED)
 STATUS_CUT_OFF = "CUT_OFF"
 
 FEEDBACK_GRACE_S = 1.0  # how long a result waits for feedback still in flight
@@ -152,6 +153,8 @@ class GoalHandle:
         self.accepted: bool | None = None  # None until the goal response comes
         self.goal_id = None
         self._constrained = bool(goal.json_schema or goal.grammar or goal.tools)
+        # a chat goal whose text answer (auto, none) may be cut off as any text is
+        self._text_allowed = bool(goal.tools) and goal.tool_choice in ("", "auto", "none")
         self._json = bool(goal.json_schema)
         action = client.live_action()
         if not action.server_is_ready():
@@ -206,7 +209,8 @@ class GoalHandle:
         out = Outcome(status, r.text, int(r.error_code), r.error_msg, int(r.choice_index), r,
                       parsed=bool(r.parsed),
                       tool_calls=[ToolCall(c.name, c.arguments, c.id) for c in r.tool_calls])
-        if status == STATUS_SUCCEEDED and self._constrained:
+        cut_text = self._text_allowed and not r.text.lstrip().startswith(("<tool_call>", "{"))
+        if status == STATUS_SUCCEEDED and self._constrained and not (cut_text and not r.parsed):
             if not r.parsed:
                 out.status = STATUS_CUT_OFF
                 out.error_msg = (f"the answer was cut off (finish_reason {r.finish_reason}) before "
@@ -381,7 +385,8 @@ class LLMClient:
         JSON schema; or ChatTool messages) the model may call; ``tool_choice`` auto, none,
         required or a tool's name. The outcome's ``tool_calls`` are the calls (``.name``,
         ``.value``: the parsed arguments) or its ``text`` the answer; ``message`` continues the
-        conversation. CUT_OFF when the answer was cut off before it was complete."""
+        conversation. CUT_OFF when a call was cut off before it was complete (a text answer cut
+        off succeeds, as a generate goal's does)."""
         chat = chat_of(messages, tools or (), tool_choice)
         return self.generate_async("", **self._chat_fields(chat), **options)
 

@@ -21,7 +21,7 @@ one of the tools with arguments valid under its schema (JSON written as the temp
 writes it: ``", "`` and ``": "``), one call per answer (then the end of the turn: small models
 given the choice repeated their call until cut off; the tool's result comes back as a tool
 message and the next answer may call again); ``auto`` also allows a text answer (one that does
-not start with a call), ``none`` only text.
+not start with a call, ``{`` or a code fence: a call without its markers), ``none`` only text.
 """
 from __future__ import annotations
 
@@ -362,8 +362,10 @@ def tool_grammar(chat: Chat, fmt: ToolFormat) -> str | None:
         return None
     opener, closer = (("<tool_call>", "</tool_call>") if fmt.call_token
                       else (json.dumps(CALL_OPEN), json.dumps(CALL_CLOSE)))
-    # text that does not start with a call (the default format's call is text too)
-    lines = ['TEXT: /(?s:.+)/ & ~/[ \\t\\r\\n]*<tool_call>(?s:.*)/']
+    # text that does not start with a call (the default format's call is text too), nor with
+    # "{" or "```": a call written without its markers (Qwen2.5-Coder 1.5B, asked a question in
+    # auto, wrote '{{"name": "say", ...' and '```json\n{"name": ...' as text)
+    lines = ['TEXT: /(?s:.+)/ & ~/[ \\t\\r\\n]*(<tool_call>|\\{|```)(?s:.*)/']
     if chat.tool_choice == "none":
         return "start: TEXT\n" + lines[0] + "\n"
     tools = [t for t in chat.tools if chat.tool_choice in ("auto", "required", t.name)]
