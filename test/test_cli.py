@@ -261,3 +261,31 @@ def test_generate_json_schema_prints_the_parsed_value(tmp_path):
     assert res["value"] == json.loads(res["text"])
     both = _cli("generate", "--json-schema", str(f), "--choices", "a,b", "x")
     assert both.returncode == 2 and "mutually exclusive" in both.stderr
+
+
+def test_generate_chat_answers_a_messages_file_with_a_tool_call(tmp_path):
+    """`--chat FILE` (OpenAI's chat-completions fields) on SmolLM2, whose template has no tool
+    format (the documented default): the call names a tool, its arguments are valid; an
+    unknown role is refused before loading anything."""
+    import jsonschema
+    params = {"type": "object", "properties": {"room": {"enum": ["kitchen", "hall", "dock"]}},
+              "required": ["room"], "additionalProperties": False}
+    f = tmp_path / "chat.json"
+    f.write_text(json.dumps({
+        "messages": [{"role": "system", "content": "You control a home robot."},
+                     {"role": "user", "content": "Drive to the kitchen."}],
+        "tools": [{"type": "function", "function": {"name": "navigate_to",
+                                                    "description": "Drive to a room.",
+                                                    "parameters": params}}],
+        "tool_choice": "required"}))
+    out = _cli("generate", "--model", "smollm2-135m", "--chat", str(f), "--json",
+               "--max-new-tokens", "40")
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["finish_reason"] == "tool_calls" and res["parsed"] is True
+    [call] = res["tool_calls"]
+    assert call["name"] == "navigate_to"
+    jsonschema.validate(call["arguments"], params)
+    f.write_text(json.dumps([{"role": "robot", "content": "hi"}]))
+    bad = _cli("generate", "--chat", str(f))
+    assert bad.returncode == 2 and "unknown role 'robot'" in bad.stderr

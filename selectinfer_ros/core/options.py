@@ -231,6 +231,11 @@ class NodeSettings(ModelOptions):
                                         "<end_of_turn>, ...) are read as control tokens; false: "
                                         "as plain text (the chat template still inserts its "
                                         "own)", runtime=True)
+    prompt_cache_mb: float = param(256.0, "MiB of earlier prompts' keys and values kept for "
+                                   "reuse: a goal that starts with the tokens of an earlier one "
+                                   "(an agent's system prompt and tools, a conversation so far) "
+                                   "prefills only the rest; least recently used dropped first; "
+                                   "0 = off", lo=0.0, hi=2.0**20, runtime=True)
     reload_timeout: float = _reload_timeout()
 
     def check(self) -> None:

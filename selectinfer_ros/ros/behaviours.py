@@ -1,5 +1,6 @@
 """py_trees behaviours that call the LLM: :class:`Generate`, :class:`Choose`, :class:`GenerateJSON`,
-:class:`SwitchProfile`.
+:class:`Chat` (a conversation kept on the blackboard), :class:`CallTool` (a tool call a tree
+dispatches), :class:`SwitchProfile`.
 
 As in py_trees_ros, ``__init__`` takes configuration only and rclpy comes in late: ``tree.setup(
 node=node)`` (before that node spins: rclpy registers an ActionClient with its node before the
@@ -245,6 +246,99 @@ class GenerateJSON(Generate):
         self.blackboard.set(self.text_key, out.text, overwrite=True)
         self.blackboard.set(self.value_key, out.value, overwrite=True)
         self.feedback_message = f"parsed {type(out.value).__name__} ({len(out.text)} characters)"
+
+
+class Chat(Generate):
+    """One turn of a conversation kept on the blackboard (``conversation_key``: a list of
+    messages in OpenAI's format, started with ``system`` when empty). ``prompt`` (a format string
+    of blackboard keys; empty: no new user message, e.g. after a tool result was appended) is
+    added as the user's message; the answer is appended as the assistant's (text, or the tool
+    calls) and written to ``reply_key`` (the text) and ``tool_calls_key`` (a list of ``{"id",
+    "name", "arguments"}``, the arguments parsed). ``tools`` are dicts (name, description,
+    parameters: a JSON schema); ``tool_choice`` auto, none, required or a tool's name.
+    """
+
+    def __init__(self, name: str, prompt: str = "", *, system: str = "",
+                 tools: list[dict] | None = None, tool_choice: str = "",
+                 conversation_key: str = "/llm/conversation", reply_key: str = "/llm/reply",
+                 tool_calls_key: str = "/llm/tool_calls", **kwargs: Any):
+        super().__init__(name, prompt or " ", text_key=reply_key, **kwargs)
+        self.prompt = prompt
+        self.system, self.tools, self.tool_choice = system, list(tools or []), tool_choice
+        self.conversation_key = self._register(conversation_key, Access.WRITE)
+        self.tool_calls_key = self._register(tool_calls_key, Access.WRITE)
+        self._conversation: list = []
+
+    def render_prompt(self) -> str:
+        return super().render_prompt() if self.prompt or self.prompt_key else ""
+
+    def _send(self, prompt: str) -> GoalHandle:
+        conv = list(self.blackboard.get(self.conversation_key)
+                    if self.blackboard.exists(self.conversation_key) else [])
+        if not conv and self.system:
+            conv.append({"role": "system", "content": self.system})
+        if prompt:
+            conv.append({"role": "user", "content": prompt})
+        self._conversation = conv
+        return self.client.chat_async(conv, tools=self.tools, tool_choice=self.tool_choice,
+                                      server_timeout=self.server_timeout,
+                                      timeout=self.result_timeout, **self.goal_options)
+
+    def _write(self, out: Outcome) -> None:
+        self.blackboard.set(self.conversation_key, self._conversation + [out.message],
+                            overwrite=True)
+        self.blackboard.set(self.text_key, out.text if not out.tool_calls else "", overwrite=True)
+        self.blackboard.set(self.tool_calls_key, [
+            {"id": c.id, "name": c.name, "arguments": c.value} for c in out.tool_calls],
+            overwrite=True)
+        self.feedback_message = (f"called {', '.join(c.name for c in out.tool_calls)}"
+                                 if out.tool_calls else f"{len(out.text)} characters")
+
+
+class CallTool(Chat):
+    """Ask for one tool call (``tool_choice`` required, or a tool's name) and write it where a tree
+    dispatches it: ``call_key`` ``{"id", "name", "arguments"}``, ``name_key`` the tool's name,
+    ``arguments_key`` its parsed arguments (None on failure). ``outcomes`` maps tool names to the
+    status returned (a Selector can branch on the tool). The conversation goes on as for
+    :class:`Chat` (append the tool's result with :func:`tool_result` before the next turn).
+    """
+
+    def __init__(self, name: str, prompt: str = "", *, tools: list[dict],
+                 tool_choice: str = "required", call_key: str = "/llm/tool_call",
+                 name_key: str = "/llm/tool_name", arguments_key: str = "/llm/tool_arguments",
+                 outcomes: dict[str, Status] | None = None, **kwargs: Any):
+        if not tools:
+            raise ValueError(f"{name}: give the tools it may call")
+        if tool_choice in ("auto", "none", ""):
+            raise ValueError(f"{name}: tool_choice must be required or a tool's name")
+        super().__init__(name, prompt, tools=tools, tool_choice=tool_choice, **kwargs)
+        self.call_key = self._register(call_key, Access.WRITE)
+        self.name_key = self._register(name_key, Access.WRITE)
+        self.arguments_key = self._register(arguments_key, Access.WRITE)
+        self.outcomes = dict(outcomes or {})
+
+    def _finish(self, out: Outcome) -> Status:
+        status = super()._finish(out)
+        if status != Status.SUCCESS:
+            for key in (self.call_key, self.name_key, self.arguments_key):
+                self.blackboard.set(key, None, overwrite=True)
+            return status
+        return self.outcomes.get(out.tool_calls[0].name, Status.SUCCESS)
+
+    def _write(self, out: Outcome) -> None:
+        super()._write(out)
+        c = out.tool_calls[0]
+        self.blackboard.set(self.call_key, {"id": c.id, "name": c.name, "arguments": c.value},
+                            overwrite=True)
+        self.blackboard.set(self.name_key, c.name, overwrite=True)
+        self.blackboard.set(self.arguments_key, c.value, overwrite=True)
+
+
+def tool_result(conversation: list, call: dict, content: str) -> list:
+    """``conversation`` with the result ``content`` of ``call`` (as :class:`CallTool` wrote it)
+    appended as a tool message: the next :class:`Chat` turn lets the model see it."""
+    return list(conversation) + [{"role": "tool", "content": content,
+                                  "tool_call_id": call.get("id", "")}]
 
 
 class SwitchProfile(_LLMBehaviour):

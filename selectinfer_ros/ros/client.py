@@ -8,6 +8,8 @@
             print(out.choice, out.choice_index)
             out = llm.generate_json("Next action as JSON:", {"type": "object", ...})
             print(out.value)                             # the parsed object (None unless ok)
+            out = llm.chat([{"role": "user", "content": "Go to the kitchen."}], tools=TOOLS)
+            print(out.tool_calls[0].name, out.tool_calls[0].value)   # navigate_to {'room': ...}
 
 Errors are data: every call returns an :class:`Outcome` (``ok``, ``status``, ``error_code``,
 ``error_msg``), never raises for a refused goal, a missing server or a timeout.
@@ -29,6 +31,7 @@ from typing import Any, Callable
 
 from rclpy.node import Node
 
+from ..core.execution.chat import Chat, ToolCall, chat_of
 from .plumbing import BURST_QOS
 from .safe_action import SafeActionClient
 
@@ -39,15 +42,16 @@ STATUS_REJECTED = "REJECTED"
 STATUS_TIMEOUT = "TIMEOUT"
 STATUS_NO_SERVER = "NO_SERVER"
 STATUS_FAILED = "FAILED"  # a service call answered success=false
-# a json_schema/grammar goal that succeeded but whose answer was cut off (max_new_tokens, the
-# context, a stop string) before it was complete: never reported as a success
+# a json_schema/grammar goal, or a tool call, that succeeded but whose answer was cut off
+# (max_new_tokens, the context, a stop string) before it was complete: never reported as a
+# success (a text answer of a chat goal with tools is cut off as any text is: SUCCEEDED)
 STATUS_CUT_OFF = "CUT_OFF"
 
 FEEDBACK_GRACE_S = 1.0  # how long a result waits for feedback still in flight
 
 GOAL_FIELDS = ("task", "max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty",
                "seed", "stop", "use_chat_template", "compute_ratio", "choices", "length_normalize",
-               "json_schema", "grammar")
+               "json_schema", "grammar", "messages", "tools", "tool_choice")
 
 
 @dataclass
@@ -62,6 +66,17 @@ class Outcome:
     result: Any = None
     parsed: bool = False  # a json_schema/grammar goal: the text is complete under it
     value: Any = None  # a json_schema goal that succeeded: the parsed JSON value
+    tool_calls: list[ToolCall] = field(default_factory=list)  # a chat goal's calls (.value: args)
+
+    @property
+    def message(self) -> dict:
+        """The answer as the assistant message that continues its conversation (OpenAI's
+        format: ``content`` and ``tool_calls``)."""
+        if self.tool_calls:
+            return {"role": "assistant", "content": "", "tool_calls": [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}} for c in self.tool_calls]}
+        return {"role": "assistant", "content": self.text}
 
     @property
     def ok(self) -> bool:
@@ -137,7 +152,9 @@ class GoalHandle:
         self.feedback = None  # the latest Generate.Feedback
         self.accepted: bool | None = None  # None until the goal response comes
         self.goal_id = None
-        self._constrained = bool(goal.json_schema or goal.grammar)
+        self._constrained = bool(goal.json_schema or goal.grammar or goal.tools)
+        # a chat goal whose text answer (auto, none) may be cut off as any text is
+        self._text_allowed = bool(goal.tools) and goal.tool_choice in ("", "auto", "none")
         self._json = bool(goal.json_schema)
         action = client.live_action()
         if not action.server_is_ready():
@@ -190,8 +207,10 @@ class GoalHandle:
         status = {GoalStatus.STATUS_SUCCEEDED: STATUS_SUCCEEDED,
                   GoalStatus.STATUS_CANCELED: STATUS_CANCELED}.get(response.status, STATUS_ABORTED)
         out = Outcome(status, r.text, int(r.error_code), r.error_msg, int(r.choice_index), r,
-                      parsed=bool(r.parsed))
-        if status == STATUS_SUCCEEDED and self._constrained:
+                      parsed=bool(r.parsed),
+                      tool_calls=[ToolCall(c.name, c.arguments, c.id) for c in r.tool_calls])
+        cut_text = self._text_allowed and not r.text.lstrip().startswith(("<tool_call>", "{"))
+        if status == STATUS_SUCCEEDED and self._constrained and not (cut_text and not r.parsed):
             if not r.parsed:
                 out.status = STATUS_CUT_OFF
                 out.error_msg = (f"the answer was cut off (finish_reason {r.finish_reason}) before "
@@ -343,7 +362,7 @@ class LLMClient:
         for k, v in options.items():
             if k == "json_schema" and not isinstance(v, str):
                 v = json.dumps(v)  # a schema given as a dict
-            setattr(goal, k, list(v) if k in ("stop", "choices") else v)
+            setattr(goal, k, list(v) if k in ("stop", "choices", "messages", "tools") else v)
         return goal
 
     def generate_async(self, prompt: str, *, on_feedback: Callable[[Any], None] | None = None,
@@ -358,6 +377,37 @@ class LLMClient:
     def choose_async(self, prompt: str, choices: list[str], **options) -> GoalHandle:
         """A choices goal: the outcome's ``text`` is the chosen option, ``choice_index`` its index."""
         return self.generate_async(prompt, choices=list(choices), **options)
+
+    def chat_async(self, messages: list, *, tools: list | None = None, tool_choice: str = "",
+                   **options) -> GoalHandle:
+        """A chat goal: ``messages`` (dicts in OpenAI's format or ChatMessage messages) rendered
+        with the model's chat template; ``tools`` (dicts: name, description, parameters as a
+        JSON schema; or ChatTool messages) the model may call; ``tool_choice`` auto, none,
+        required or a tool's name. The outcome's ``tool_calls`` are the calls (``.name``,
+        ``.value``: the parsed arguments) or its ``text`` the answer; ``message`` continues the
+        conversation. CUT_OFF when a call was cut off before it was complete (a text answer cut
+        off succeeds, as a generate goal's does)."""
+        chat = chat_of(messages, tools or (), tool_choice)
+        return self.generate_async("", **self._chat_fields(chat), **options)
+
+    @staticmethod
+    def _chat_fields(chat: Chat) -> dict:
+        from selectinfer_msgs.msg import ChatMessage, ChatTool
+        from selectinfer_msgs.msg import ToolCall as ToolCallMsg
+        return dict(messages=[ChatMessage(role=m.role, content=m.content, tool_call_id=m.tool_call_id,
+                                          tool_calls=[ToolCallMsg(id=c.id, name=c.name,
+                                                                  arguments=c.arguments)
+                                                      for c in m.tool_calls])
+                              for m in chat.messages],
+                    tools=[ChatTool(name=t.name, description=t.description,
+                                    parameters=t.parameters) for t in chat.tools],
+                    tool_choice=chat.tool_choice)
+
+    def chat(self, messages: list, *, tools: list | None = None, tool_choice: str = "",
+             **options) -> Outcome:
+        """:meth:`chat_async` and wait for the outcome (scripts only)."""
+        self.wait_for_server(options.get("server_timeout", self.server_timeout))
+        return self.chat_async(messages, tools=tools, tool_choice=tool_choice, **options).wait()
 
     def generate_json_async(self, prompt: str, schema: dict | str, **options) -> GoalHandle:
         """A json_schema goal: the outcome's ``value`` is the parsed JSON (status SUCCEEDED

@@ -351,3 +351,27 @@ def llm_graph(ros_context, tiny_llm):
         spinner.destroy_nodes()
         assert spinner.error is None, f'executor raised: {spinner.error!r}'
         assert stopped, 'executor thread did not stop within 10 s'
+
+
+# ---------------------------------------------------------------------------------------------
+# a robot agent: a system prompt, tools, Qwen2.5-0.5B behind the node
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def robot_agent():
+    """The agent's system prompt and tools (dicts: name, description, parameters), as
+    selectinfer_ros/data/examples/robot_agent.json holds them."""
+    import json
+    import types
+
+    from selectinfer_ros.core.format.paths import DATA_DIR
+    agent = json.loads((DATA_DIR / "examples" / "robot_agent.json").read_text(encoding="utf-8"))
+    return types.SimpleNamespace(system=agent["system"], tools=agent["tools"])
+
+
+@pytest.fixture
+def qwen_graph(llm_graph, qwen05):
+    """selectinfer_node on Qwen2.5-0.5B (its template's tool-call format), the prompt cache on."""
+    g = llm_graph(model=str(qwen05), profiles='', task='', load_ratio=1.0, compute_ratio=1.0,
+                  max_new_tokens=32, context_limit=2048, prompt_cache_mb=64.0)
+    return g.ready(timeout=180.0)

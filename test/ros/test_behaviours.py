@@ -243,3 +243,38 @@ def test_generate_json_writes_the_object_to_the_blackboard(embedded_graph):
     assert root2.status == Status.FAILURE and read('/bad') is None
     assert read('/err').startswith('REJECTED')
     assert 'invalid json_schema' in g.node.snapshot().last_rejection
+
+
+def test_chat_and_call_tool_behaviours_keep_the_conversation(qwen_graph, robot_agent):
+    """CallTool writes the call a tree dispatches (name, parsed arguments) and the conversation;
+    after the tool's result is appended, Chat continues it with a text answer."""
+    SYSTEM, TOOLS = robot_agent.system, robot_agent.tools
+
+    from selectinfer_ros.ros.behaviours import CallTool, Chat, tool_result
+    g = qwen_graph
+    act = CallTool('act', 'Please drive to the dock.', system=SYSTEM, tools=TOOLS,
+                   namespace=g.namespace, outcomes={'say': Status.FAILURE})
+    tree = setup_tree(g, act)
+    assert tick_until(tree, lambda: act.status != Status.RUNNING, 180.0)
+    assert act.status == Status.SUCCESS, act.feedback_message
+    call = read('/llm/tool_call')
+    assert call['name'] == read('/llm/tool_name') == 'navigate_to'
+    assert read('/llm/tool_arguments') == call['arguments'] and call['arguments']['room'] in (
+        'kitchen', 'hall', 'dock', 'bedroom')
+    conv = read('/llm/conversation')
+    assert [m['role'] for m in conv] == ['system', 'user', 'assistant']
+    assert conv[2]['tool_calls'][0]['function']['name'] == 'navigate_to'
+    # the tree ran the tool; the conversation goes on with its result
+    bb = py_trees.blackboard.Client(name='test tool runner')
+    bb.register_key('/llm/conversation', access=py_trees.common.Access.WRITE)
+    bb.set('/llm/conversation', tool_result(conv, call, 'arrived at the dock'), overwrite=True)
+    talk = Chat('talk', 'Where are you now? Answer in one short sentence.', tools=TOOLS,
+                tool_choice='none', namespace=g.namespace, max_new_tokens=24)
+    tree = setup_tree(g, talk)
+    assert tick_until(tree, lambda: talk.status != Status.RUNNING, 180.0)
+    assert talk.status == Status.SUCCESS, talk.feedback_message
+    conv = read('/llm/conversation')
+    assert [m['role'] for m in conv] == ['system', 'user', 'assistant', 'tool', 'user',
+                                        'assistant']
+    assert read('/llm/reply') == conv[-1]['content'] and read('/llm/reply').strip()
+    assert read('/llm/tool_calls') == []

@@ -168,3 +168,52 @@ def test_generate_json_returns_the_parsed_object(llm_graph):
     bad = llm.generate_json('Answer: ', {'type': 'objekt'})
     assert bad.status == STATUS_REJECTED and bad.value is None
     assert 'invalid json_schema' in g.node.snapshot().last_rejection
+
+
+def test_chat_calls_tools_reuses_the_prompt_and_refuses_bad_conversations(qwen_graph,
+                                                                        robot_agent):
+    """Qwen2.5-0.5B behind the node: chat() calls tools with valid arguments, a goal sharing the
+    system prompt and tools reuses their keys and values (cached_tokens, the diagnostics' prompt
+    cache), bad conversations are rejected at once with a reason, the next goal is served."""
+    import json
+
+    import jsonschema
+
+    SYSTEM, TOOLS = robot_agent.system, robot_agent.tools
+    g = qwen_graph
+    llm = make_client(g)
+    first = llm.chat([{'role': 'system', 'content': SYSTEM},
+                      {'role': 'user', 'content': 'Please drive to the kitchen.'}],
+                     tools=TOOLS, tool_choice='required')
+    assert first.ok and first.parsed and first.result.finish_reason == 'tool_calls', first
+    call = first.tool_calls[0]
+    spec = next(t for t in TOOLS if t['name'] == call.name)
+    jsonschema.validate(call.value, spec['parameters'])
+    assert json.loads(call.arguments) == call.value and call.id.startswith('call_')
+    assert first.result.cached_tokens == 0
+    # the next goal shares the system prompt and the tools: they come from the prompt cache
+    second = llm.chat([{'role': 'system', 'content': SYSTEM},
+                       {'role': 'user', 'content': 'Tell the guests that dinner is ready.'}],
+                      tools=TOOLS, tool_choice='say')
+    assert second.ok and [c.name for c in second.tool_calls] == ['say']
+    assert second.result.cached_tokens > 200
+    snap = g.node.snapshot()
+    assert snap.prompt_cache['prompt_cache_hits'] >= 1
+    assert 0 < snap.prompt_cache['prompt_cache_bytes'] <= 64 * 2**20
+    bad = [
+        ([{'role': 'robot', 'content': 'hi'}], TOOLS, 'auto', "unknown role 'robot'"),
+        ([{'role': 'user', 'content': 'go'}],
+         [{'name': 'go', 'parameters': {'type': 'object', 'properties': {'x': {'type': 'strnig'}}}}],
+         'auto', "tool 'go'"),
+        ([{'role': 'user', 'content': 'go'}], TOOLS, 'fly', "'fly' is neither"),
+        ([{'role': 'user', 'content': 'kitchen ' * 3000}], TOOLS, 'auto', 'context limit is 2048'),
+    ]
+    for messages, tools, choice, needle in bad:
+        t0 = time.monotonic()
+        out = llm.chat(messages, tools=tools, tool_choice=choice)
+        assert out.status == STATUS_REJECTED, (needle, out)
+        assert time.monotonic() - t0 < 5.0
+        assert needle in g.node.snapshot().last_rejection, g.node.snapshot().last_rejection
+    out = llm.chat([{'role': 'user', 'content': 'Go to the hall.'}], tools=TOOLS,
+                   tool_choice='navigate_to')
+    assert out.ok and out.tool_calls[0].name == 'navigate_to'

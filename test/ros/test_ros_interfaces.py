@@ -4,7 +4,7 @@ from rclpy.serialization import deserialize_message, serialize_message
 
 from builtin_interfaces.msg import Time
 from selectinfer_msgs.action import Generate
-from selectinfer_msgs.msg import ActiveProfile
+from selectinfer_msgs.msg import ActiveProfile, ChatMessage, ChatTool, ToolCall
 from selectinfer_msgs.srv import ReloadBase, SwitchProfile
 
 RESULT_CODES = {
@@ -42,6 +42,9 @@ def test_generate_goal_fields():
         'length_normalize': 'boolean',
         'json_schema': 'string',
         'grammar': 'string',
+        'messages': 'sequence<selectinfer_msgs/ChatMessage>',
+        'tools': 'sequence<selectinfer_msgs/ChatTool>',
+        'tool_choice': 'string',
     }
 
 
@@ -62,6 +65,8 @@ def test_generate_result_and_feedback_fields():
         'choice_index': 'int32',
         'choice_logprobs': 'sequence<float>',
         'choice_logprobs_normalized': 'sequence<float>',
+        'tool_calls': 'sequence<selectinfer_msgs/ToolCall>',
+        'cached_tokens': 'uint32',
     }
     assert _fields(Generate.Feedback) == {
         'text_delta': 'string',
@@ -86,6 +91,11 @@ def test_service_and_message_fields():
         'success': 'boolean', 'message': 'string', 'active_task': 'string',
         'reload_seconds': 'double', 'bytes_read': 'uint64', 'neurons_read': 'uint32',
     }
+    assert _fields(ChatMessage) == {'role': 'string', 'content': 'string',
+                                     'tool_calls': 'sequence<selectinfer_msgs/ToolCall>',
+                                     'tool_call_id': 'string'}
+    assert _fields(ChatTool) == {'name': 'string', 'description': 'string', 'parameters': 'string'}
+    assert _fields(ToolCall) == {'id': 'string', 'name': 'string', 'arguments': 'string'}
     assert _fields(ActiveProfile) == {
         'task': 'string', 'model_id': 'string', 'load_ratio': 'float',
         'static_ratio': 'float', 'stamp': 'builtin_interfaces/Time',
@@ -107,6 +117,17 @@ SAMPLES = [
         profile='navigation', load_ratio=0.375, compute_ratio=0.25),
     Generate.Result(text='hall', finish_reason='choice', choice_index=1,
                     choice_logprobs=[-2.5, -0.125, -4.0], choice_logprobs_normalized=[-1.25, -0.125, -2.0]),
+    Generate.Goal(messages=[
+        ChatMessage(role='system', content='You are a robot.'),
+        ChatMessage(role='user', content='Go to the kitchen ✓'),
+        ChatMessage(role='assistant', tool_calls=[
+            ToolCall(id='call_1', name='navigate_to', arguments='{"room": "kitchen"}')]),
+        ChatMessage(role='tool', content='arrived', tool_call_id='call_1')],
+        tools=[ChatTool(name='navigate_to', description='drive to a room',
+                        parameters='{"type": "object"}')], tool_choice='required'),
+    Generate.Result(text='<tool_call>...', finish_reason='tool_calls', parsed=True,
+                    tool_calls=[ToolCall(id='call_2', name='say', arguments='{"text": "hi"}')],
+                    cached_tokens=600),
     Generate.Feedback(text_delta=' word', generated_tokens=7, tokens_per_second=13.25),
     SwitchProfile.Request(task='navigation'),
     SwitchProfile.Response(success=True, message='ok', active_task='navigation',

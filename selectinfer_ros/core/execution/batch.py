@@ -67,39 +67,37 @@ class Batch:
             raise ValueError(f"this request cannot decode in a batch: {reason}")
         if self.room <= 0:
             raise ValueError(f"the batch is full ({self.max_batch} requests)")
-        ids, max_new, metrics, gen = e.request(prompt, config)
-        stream = Stream(e, ids, config, max_new, metrics, gen, on_text, cancel, t0)
+        ids, max_new, metrics, gen, marks = e.request(prompt, config)
+        stream = Stream(e, ids, config, max_new, metrics, gen, on_text, cancel, t0, marks)
         used = {r.slot for r in self.running + self.pending}
         stream.slot = next(s for s in range(self.max_batch) if s not in used)
-        with e._lock:
+        with e._lock, torch.inference_mode(), e.phi(config.compute_ratio):
             e.decoder.reserve(len(ids) + max_new, self.max_batch)
             if e.selective is not None:
                 e.selective.share_rows(self.max_batch)
-        if self.running and len(ids) > self.prefill_chunk:
+            e.open_prompt(stream, stream.slot, stream.slot)  # a cached prefix, its votes
+        if self.running and len(ids) - stream.filled > self.prefill_chunk:
             self.pending.append(stream)
-        else:
-            self._prefill(stream, len(ids))
+        else:  # at once (in chunks only where a mark cuts it)
+            while stream.finish is None and stream not in self.running:
+                self._prefill(stream, len(ids))
         return stream
 
     def _prefill(self, stream: Stream, n: int) -> None:
-        """The next ``n`` prompt tokens of ``stream`` into its slot; after the last, its first
-        token (it joins the running ones unless that ends it)."""
-        e, ids, lo = self.engine, stream.ids, stream.filled
-        hi = min(len(ids), lo + n)
-        last = hi == len(ids)
+        """The next chunk (at most ``n`` tokens, :meth:`Engine.prefill_chunk`) of ``stream``'s
+        prompt into its slot; after the last, its first token (it joins the running ones unless
+        that ends it)."""
+        e = self.engine
         cancel, st = stream.cancel, e.state
+        last = False
         with e._lock, torch.inference_mode(), e.phi(stream.config.compute_ratio):
-            e._start(torch.tensor([ids[lo:hi]]))
-            if st is not None:  # its selection places its neurons for its slot
-                st.row, st.last_chunk = stream.slot, last
             ok = False
             try:
                 if cancel is not None and cancel():
                     raise Canceled
                 with e.cancel_between_layers(cancel):
-                    logits = e.decoder.prefill(ids[lo:hi], extra=0, slot=stream.slot, start=lo,
-                                               logits=last)
-                stream.filled = hi
+                    logits = e.prefill_chunk(stream, stream.slot, stream.slot, n, 0)
+                last = logits is not None
                 done = last and stream.advance(logits)
                 if last:
                     e._end_prefill(stream.metrics)
@@ -108,7 +106,7 @@ class Batch:
                 stream.finish, done = "canceled", True
             finally:
                 if st is not None:
-                    st.prefill, st.row, st.last_chunk = True, None, True
+                    st.prefill = True
                 if not ok or done:
                     self._release(stream)
         if stream in self.pending and (done or last):

@@ -223,6 +223,22 @@ class Decoder:
         if self.native is not None:
             self.native.stale = True
 
+    def export_prefix(self, slot: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of slot ``slot``'s keys and values of positions ``[0, n)``, per layer
+        ``[n_kv, n, head_dim]`` (the prompt cache keeps them)."""
+        return [(k[slot][:, :n].clone(), v[slot][:, :n].clone()) for k, v in zip(self._k, self._v)]
+
+    def import_prefix(self, slot: int, kv: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
+        """Slot ``slot`` takes the keys and values of positions ``[0, n)`` from ``kv`` (as
+        :meth:`export_prefix` gave them; room reserved before)."""
+        if n > self.capacity or slot >= self.slots:
+            raise ValueError(f"no room for {n} cached positions in slot {slot} (capacity "
+                             f"{self.capacity}, {self.slots} slots): reserve first")
+        for (k, v), kc, vc in zip(kv, self._k, self._v):
+            kc[slot][:, :n].copy_(k[:, :n])
+            vc[slot][:, :n].copy_(v[:, :n])
+        self.lengths[slot] = n
+
     # -- forward --------------------------------------------------------------------------
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(x * cos, torch.roll(x, self.head_dim // 2, dims=-1), sin)

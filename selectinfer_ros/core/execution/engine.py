@@ -15,12 +15,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
+from .chat import Chat, ToolFormat, parse_tool_calls, render
+from .chat import tool_format as detect_tool_format
 from .constrain import Constraint, Grammars
 from .decode import Decoder, unsupported
 from .metrics import RequestMetrics
+from .prompt_cache import MIN_REUSE_TOKENS, MIN_SUFFIX, Entry, PromptCache, chunk_end
 from ..selection.selective_mlp import SelectionState
 
 
@@ -47,6 +51,7 @@ class GenerationConfig:
     ignore_eos: bool = False  # benchmarks: always produce max_new_tokens
     json_schema: str = ""  # non-empty: the answer is a JSON document valid under this schema
     grammar: str = ""  # non-empty: the answer matches this Lark grammar (llguidance's syntax)
+    tool_calls: bool = False  # a chat with tools: a complete answer's calls are read back
 
     @property
     def constraint(self) -> tuple[str, str] | None:
@@ -89,6 +94,7 @@ class GenerationResult:
     metrics: RequestMetrics
     parsed: bool = False  # a constrained answer that is complete under its schema or grammar
     mask_seconds: float = 0.0  # time spent computing and applying the grammar's token masks
+    tool_calls: list = field(default_factory=list)  # a chat with tools: the calls (chat.ToolCall)
 
 
 PROMPT_SLOT = "\x00selectinfer-prompt\x00"  # where the prompt goes in a rendered chat template
@@ -291,6 +297,9 @@ class Engine:
                             else f"transformers forward ({reason})")
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
+        self._tool_format: ToolFormat | None = None
+        # keys and values of earlier prompts (lean decoder only; limit 0: off until set)
+        self.prompt_cache = PromptCache()
 
     @property
     def grammars(self) -> Grammars:
@@ -301,6 +310,33 @@ class Engine:
                 vocab = max(int(self.model.config.vocab_size), len(self.tokenizer))
                 self._grammars = Grammars(self.tokenizer, vocab, self.eos_ids)
             return self._grammars
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this model's chat template takes tools (:func:`.chat.tool_format`; found once)."""
+        with self._grammars_lock:
+            if self._tool_format is None:
+                self._tool_format = detect_tool_format(self.tokenizer)
+            return self._tool_format
+
+    def prompt_ids(self, prompt: "str | list[int] | Chat", use_chat_template: bool = False,
+                   special_tokens: bool = False) -> tuple[list[int], tuple[int, ...]]:
+        """A request's token ids and its marks (where a prefix shared with other prompts ends:
+        a conversation's system message and tools)."""
+        if isinstance(prompt, Chat):
+            r = render(self.tokenizer, prompt, self.tool_format, special_tokens)
+            return r.ids, r.marks
+        if isinstance(prompt, list):
+            return prompt, ()
+        return self.encode(prompt, use_chat_template, special_tokens), ()
+
+    def set_prompt_cache(self, megabytes: float) -> None:
+        """Keep at most ``megabytes`` MiB of earlier prompts' keys and values (0: off)."""
+        self.prompt_cache.set_limit(int(megabytes * 2**20) if self.decoder is not None else 0)
+
+    def cache_key(self) -> str:
+        """What a prompt's keys and values depend on besides its tokens (the resident neurons)."""
+        return self.selective.residency_key() if self.selective is not None else "dense"
 
     @classmethod
     def from_selective(cls, sm, context_limit: int | None = None) -> "Engine":
@@ -329,24 +365,23 @@ class Engine:
         with self._lock:
             return self._generate(prompt, config, on_text, cancel)
 
-    def request(self, prompt: str | list[int], config: GenerationConfig
-                ) -> tuple[list[int], int, RequestMetrics, torch.Generator]:
+    def request(self, prompt: "str | list[int] | Chat", config: GenerationConfig
+                ) -> tuple[list[int], int, RequestMetrics, torch.Generator, tuple[int, ...]]:
         """A request's prompt ids (checked against the context), how many tokens it may add, its
-        metrics and its seeded generator."""
-        ids = prompt if isinstance(prompt, list) else self.encode(prompt, config.use_chat_template,
-                                                                    config.special_tokens)
+        metrics, its seeded generator and its marks (:meth:`prompt_ids`)."""
+        ids, marks = self.prompt_ids(prompt, config.use_chat_template, config.special_tokens)
         self.check_prompt(len(ids))
         max_new = min(config.max_new_tokens, self.context_limit - len(ids))
         gen = torch.Generator(device="cpu")
         gen.manual_seed(config.seed if config.seed is not None and config.seed >= 0
                         else int(time.time_ns() % (2**63)))
-        return ids, max_new, RequestMetrics(prompt_tokens=len(ids)), gen
+        return ids, max_new, RequestMetrics(prompt_tokens=len(ids)), gen, marks
 
     def _generate(self, prompt, config, on_text, cancel) -> GenerationResult:
         t0 = time.perf_counter()
-        ids, max_new, metrics, gen = self.request(prompt, config)
+        ids, max_new, metrics, gen, marks = self.request(prompt, config)
         with self.phi(config.compute_ratio):
-            return self._run(ids, config, max_new, metrics, gen, on_text, cancel, t0)
+            return self._run(ids, config, max_new, metrics, gen, on_text, cancel, t0, marks)
 
     @contextlib.contextmanager
     def phi(self, compute_ratio: float | None):
@@ -427,10 +462,20 @@ class Engine:
             return self.model(step, **kw).logits[0, -1]
         return prefill, decode_one_token
 
-    def _run(self, ids, config, max_new, metrics, gen, on_text, cancel, t0) -> GenerationResult:
-        stream = Stream(self, ids, config, max_new, metrics, gen, on_text, cancel, t0)
+    def _run(self, ids, config, max_new, metrics, gen, on_text, cancel, t0,
+             marks: tuple[int, ...] = ()) -> GenerationResult:
+        stream = Stream(self, ids, config, max_new, metrics, gen, on_text, cancel, t0, marks)
         input_ids = torch.tensor([ids], device=self.device)  # [1, T]
         prefill, decode_one_token = self._forward_fns(input_ids, max_new)
+        if self.decoder is not None:  # chunk by chunk: the prompt cache, its marks
+            self.decoder.reserve(len(ids) + max_new)
+            self.open_prompt(stream, 0, None)
+
+            def prefill() -> torch.Tensor:
+                logits = None
+                while logits is None:
+                    logits = self.prefill_chunk(stream, 0, None, len(ids), max_new)
+                return logits
         self._start(input_ids)
         counted = None  # token mode: the neuron counts after the prefill
         try:
@@ -453,6 +498,98 @@ class Engine:
         if counted is not None and self.selective.counts()[0] > counted[0]:
             metrics.computed_share = self.selective.read_shares(counted)["computed_share"]
         return stream.result()
+
+    @torch.inference_mode()
+    def first_logits(self, prompt: "str | list[int] | Chat",
+                     config: GenerationConfig | None = None) -> tuple[torch.Tensor, int]:
+        """The logits ``[V]`` after ``prompt`` as a generation computes them (its selection, the
+        prompt cache) and how many of its tokens the prompt cache served (lean decoder)."""
+        config = config or GenerationConfig()
+        if self.decoder is None:
+            raise ValueError(f"first_logits needs the lean decoder ({self.decode_path})")
+        with self._lock, self.phi(config.compute_ratio):
+            ids, _, metrics, gen, marks = self.request(prompt, config)
+            stream = Stream(self, ids, config, 1, metrics, gen, None, None, 0.0, marks)
+            self.decoder.reserve(len(ids) + 1)
+            self.open_prompt(stream, 0, None)
+            try:
+                logits = None
+                while logits is None:
+                    logits = self.prefill_chunk(stream, 0, None, len(ids), 1)
+            finally:
+                if self.state is not None:
+                    self.state.prefill = True
+            return logits.float().clone(), stream.cached
+
+    # ---- a prompt's prefill, chunk by chunk, with the prompt cache -------------------------
+    def _voting(self) -> list[int]:
+        """The neuron stores (:attr:`SelectiveModel.stores`: a layer's, or its tiers') whose decode
+        neurons this request's prompt votes for (prompt mode, phi < gamma; under the request's
+        compute ratio)."""
+        sm = self.selective
+        return [] if sm is None else [i for i, m in enumerate(sm.stores) if m.needs_votes]
+
+    def _caching(self) -> bool:
+        return self.prompt_cache.enabled and self.decoder is not None
+
+    def open_prompt(self, stream: "Stream", slot: int, row: int | None) -> None:
+        """Before a request's first prompt chunk (engine lock held, the request's compute ratio
+        in force): its votes start empty, or from the longest prefix the prompt cache serves,
+        whose keys and values go into KV slot ``slot`` (``stream.filled`` = ``stream.cached``
+        = its length)."""
+        voting = self._voting()
+        hit = (self.prompt_cache.find(self.cache_key(), stream.ids, voting)
+               if self._caching() else None)
+        start = None
+        if hit is not None:
+            entry, n = hit
+            self.decoder.import_prefix(slot, entry.kv, n)
+            stream.filled = stream.cached = n
+            stream.metrics.cached_tokens = n
+            stream.votes = {p: v for p, v in entry.votes.items() if p <= n}
+            start = entry.votes.get(n) if voting else None
+        if self.selective is not None:
+            for i, m in enumerate(self.selective.stores):
+                m.start_votes(row, start[i] if start is not None and m.needs_votes else None)
+
+    def prefill_chunk(self, stream: "Stream", slot: int, row: int | None, budget: int,
+                      extra: int) -> torch.Tensor | None:
+        """The next chunk (at most ``budget`` tokens, :func:`.prompt_cache.chunk_end`) of
+        ``stream``'s prompt into KV slot ``slot`` (``row``: a batch's row, None alone; room for
+        ``extra`` more tokens); the logits after the last prompt token once it is in (None
+        before). The prompt's votes are kept at its marks and at its end, and the whole prompt
+        goes into the prompt cache (engine lock held, the request's compute ratio in force)."""
+        ids, lo = stream.ids, stream.filled
+        caching = self._caching() and len(ids) >= MIN_REUSE_TOKENS + MIN_SUFFIX
+        voting = self._voting() if caching else []
+        hi = chunk_end(lo, len(ids), budget, stream.marks if voting else ())
+        last = hi == len(ids)
+        st = self.state
+        self._start(torch.tensor([ids[lo:hi]]))
+        if st is not None:  # its selection places its neurons for its row
+            st.row, st.last_chunk, st.keep_votes = row, last, bool(voting)
+        try:
+            logits = self.decoder.prefill(ids[lo:hi], extra=extra, slot=slot, start=lo,
+                                          logits=last)
+        finally:
+            if st is not None:
+                st.row, st.last_chunk, st.keep_votes = None, True, False
+        stream.filled = hi
+        if voting and not last and hi in stream.marks:
+            stream.votes[hi] = tuple(self._votes_now(m, row) for m in self.selective.stores)
+        if last and caching:
+            votes = dict(stream.votes)
+            if voting:
+                votes[hi] = tuple(m.kept_votes if m.needs_votes else None
+                                  for m in self.selective.stores)
+            self.prompt_cache.put(Entry(self.cache_key(), np.asarray(ids, dtype=np.int64),
+                                        self.decoder.export_prefix(slot, len(ids)), votes))
+        return logits
+
+    @staticmethod
+    def _votes_now(mlp, row: int | None):
+        v = mlp.prompt_votes(row) if mlp.needs_votes else None
+        return None if v is None else (v[0].clone(), v[1].clone())
 
     def batch_refusal(self, config: GenerationConfig) -> str | None:
         """Why a request with ``config`` cannot decode in a :class:`Batch` with others (None when
@@ -514,10 +651,9 @@ class Engine:
     def _choose(self, prompt, choices, length_normalize, use_chat_template, cancel,
                 special_tokens=False) -> ChoiceResult:
         t0 = time.perf_counter()
-        ids = prompt if isinstance(prompt, list) else self.encode(prompt, use_chat_template,
-                                                                  special_tokens)
+        ids, _ = self.prompt_ids(prompt, use_chat_template, special_tokens)
         self.check_prompt(len(ids))
-        text = None if isinstance(prompt, list) else (
+        text = None if not isinstance(prompt, str) else (
             prompt if not use_chat_template else self.tokenizer.decode(ids))
         conts = [self.choice_ids(text, c) for c in choices]
         validate_choices(choices, self, len(ids), conts)
@@ -683,7 +819,7 @@ class Stream:
     def __init__(self, engine: Engine, ids: list[int], config: GenerationConfig, max_new: int,
                  metrics: RequestMetrics, gen: torch.Generator,
                  on_text: Callable[[str, int], None] | None, cancel: Callable[[], bool] | None,
-                 t0: float):
+                 t0: float, marks: tuple[int, ...] = ()):
         constrained = config.constraint  # compiled (or from the cache) before the model runs
         self.constraint: Constraint | None = (engine.grammars.constraint(*constrained)
                                               if constrained is not None else None)
@@ -702,7 +838,11 @@ class Stream:
         self.tok = -1
         self.finish: str | None = None
         self.slot = -1  # a batch's KV slot
-        self.ids, self.filled = ids, 0  # the prompt, and how much of it a batch has prefilled
+        self.ids, self.filled = ids, 0  # the prompt, and how much of it is prefilled
+        self.marks = marks  # where prefixes shared with other prompts end (the prompt cache)
+        self.cached = 0  # prompt tokens whose keys and values came from the prompt cache
+        self.votes: dict = {}  # position -> the prompt's votes there (the prompt cache)
+        self._tokenizer = engine.tokenizer
 
     def _next_token(self, logits: torch.Tensor) -> int:
         c = self.constraint
@@ -763,6 +903,10 @@ class Stream:
         if self.on_text is not None and len(text) > self.emitted and finish != "canceled":
             self.on_text(text[self.emitted:], len(new_ids))
         c = self.constraint
-        return GenerationResult(text, finish, list(new_ids), m, parsed=finish == "grammar",
-                                mask_seconds=c.mask_seconds if c else 0.0)
+        calls, parsed = [], finish == "grammar"
+        if self.config.tool_calls and parsed:  # complete: calls, or a text answer (auto, none)
+            calls = parse_tool_calls(self._tokenizer.decode(new_ids, skip_special_tokens=False))
+            finish = "tool_calls" if calls else "stop"
+        return GenerationResult(text, finish, list(new_ids), m, parsed=parsed,
+                                mask_seconds=c.mask_seconds if c else 0.0, tool_calls=calls)
 

@@ -57,6 +57,7 @@ class RequestMetrics:
     decode_seconds: float = 0.0  # time of the decode steps (tokens after the first)
     selection_seconds: float = 0.0  # of the prefill: choosing and swapping in dynamic neurons
     computed_share: float = -1.0  # compute_mode token: MLP neurons computed per decode token; -1: n/a
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prompt cache
 
     @property
     def tokens_per_second(self) -> float:

@@ -7,6 +7,7 @@ Every byte read is counted.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -427,8 +428,9 @@ class SelectiveModel:
 
     def _apply_layer(self, mlp: SelectiveMLP, ids: torch.Tensor, n_static: int,
                      incoming: torch.Tensor, staged: Slots) -> None:
-        """Make store ``mlp`` hold ``ids`` (base neurons ``ids[:n_static]`` in the static prefix)
-        from its resident neurons and the staged records of ``incoming``; no I/O."""
+        """Make store ``mlp`` hold ``ids`` in their order, as a fresh load does (base neurons
+        ``ids[:n_static]`` the static prefix), from its resident neurons and the staged records
+        of ``incoming``; no I/O."""
         inter = self.manifest.intermediate_size
         dev = self.device
         every = torch.arange(incoming.numel(), device=dev)
@@ -449,8 +451,12 @@ class SelectiveModel:
         mlp.slots.copy(free, staged, every)
         mlp.slot_ids.index_copy_(0, free, incoming.to(dev))
         where[mlp.slot_ids.cpu()] = torch.arange(mlp.n_loaded)
+        # in the task's own order, a fresh load's: the quantized products' blocks of 32 slots
+        # then hold the same neurons, so the model computes exactly as a fresh load of the task
+        mlp.slots.copy(torch.arange(ids.numel(), device=dev), mlp.slots, where[ids].to(dev))
+        mlp.slot_ids.copy_(ids.to(dev))
         mlp.n_static = n_static
-        mlp._swap_in(where[ids[:n_static]].to(dev), 0, n_static)
+        mlp.state.residency += 1
 
     def switch_task(self, task: str, cancel: Callable[[], bool] | None = None) -> SwitchReport:
         """Load another task's base neurons in place, atomically: first every neuron not resident
@@ -488,6 +494,7 @@ class SelectiveModel:
             self._apply_layer(store, ids, n_static, incoming, rec)
         self.token_tables = tables
         self.task = task
+        self.state.residency += 1
         self.set_compute_ratio(self.compute_ratio)
         read = sum(inc.numel() for _, _, _, inc, _ in staged)
         return SwitchReport(task, time.perf_counter() - t0, nbytes, read, dropped, moved)
@@ -557,6 +564,24 @@ class SelectiveModel:
         """The request of KV slot ``row`` left its batch (:meth:`SelectiveMLP.release_row`)."""
         for m in self.mlps:
             m.release_row(row)
+
+    @property
+    def stores(self) -> list[SelectiveMLP]:
+        """Every layer's neuron stores in order: the layer's one, or its tiers (high, low)."""
+        return [p for m in self.mlps for p in m.parts]
+
+    def residency_key(self) -> str:
+        """A digest of the resident neurons of every layer (what a prompt's keys and values depend
+        on besides its tokens and the weights): equal keys, equal prefill arithmetic."""
+        version = self.state.residency
+        cached = getattr(self, "_residency", None)
+        if cached is None or cached[0] != version:
+            h = hashlib.sha1(str(self.path.resolve()).encode())
+            for m in self.stores:  # a tier's neurons apart: their precision is in the arithmetic
+                h.update(torch.sort(m.slot_ids.cpu())[0].numpy().tobytes())
+                h.update(b"|" + m.source.encode() + b"|")
+            cached = self._residency = (version, h.hexdigest())
+        return cached[1]
 
     def active_neuron_ids(self) -> list[torch.Tensor]:
         """Per layer, the neuron ids computed in decode (after the last prefill's selection)."""

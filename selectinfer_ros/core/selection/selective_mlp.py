@@ -208,6 +208,10 @@ class SelectionState:
         self.last_chunk = True
         self.rows: list[int] | None = None
         self.version = 0
+        # the prompt cache: keep the prompt's votes (by neuron id) after its last chunk
+        # (SelectiveMLP.kept_votes); a counter of changes to the resident neurons
+        self.keep_votes = False
+        self.residency = 0
         # token mode, cumulative (see SelectiveModel.read_shares):
         self.kept = torch.zeros(0, dtype=torch.int64)  # [L] neurons computed in decode
         self.candidates = torch.zeros(0, dtype=torch.int64)  # [L] of them candidates (up row read)
@@ -249,8 +253,11 @@ class SelectiveMLP(nn.Module):
         self.live: set[int] = set()
         self.width: int | None = None
         self.masked = False
-        self._votes_of: tuple[int | None, torch.Tensor, torch.Tensor] | None = None  # by neuron id
+        # per KV slot (None: a request alone), the votes of its prompt's chunks so far, by neuron id
+        self._votes_of: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kept_votes: tuple[torch.Tensor, torch.Tensor] | None = None  # state.keep_votes
         self.counts_tokens = True  # counts decode tokens in state.decoded (a tier's second: no)
+        self.source = "main"  # the record file it loads from (the loader's: "high" for int8 tiers)
 
     @property
     def parts(self) -> tuple["SelectiveMLP", ...]:
@@ -280,7 +287,8 @@ class SelectiveMLP(nn.Module):
         self.n_static = n_static
         self.n_active = slot_ids.numel()
         self.row_mask, self.live, self.width, self.masked = None, set(), None, False
-        self._votes_of = None
+        self._votes_of, self.kept_votes = {}, None
+        self.state.residency += 1
 
     def set_active(self, n_active: int) -> None:
         """Neurons computed per decode step (static + dynamic), clamped to [n_static, n_loaded]."""
@@ -383,11 +391,28 @@ class SelectiveMLP(nn.Module):
             0, top.flatten(), w[:, None].expand_as(top).flatten())
         return counts, (a * w[:, None]).sum(0)
 
+    @property
+    def needs_votes(self) -> bool:
+        """Whether a prompt's votes choose this layer's decode neurons (prompt mode, phi < gamma)."""
+        return not self.state.per_token and self.n_active < self.n_loaded
+
+    def prompt_votes(self, row: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The votes of KV slot ``row``'s prompt chunks so far (by neuron id), or None."""
+        return self._votes_of.get(row)
+
+    def start_votes(self, row: int | None, votes: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """A new prompt in ``row``: its votes start from ``votes`` (a reused prefix's, copied), or
+        from none."""
+        if votes is None:
+            self._votes_of.pop(row, None)
+        else:
+            self._votes_of[row] = (votes[0].clone(), votes[1].clone())
+
     def _select(self, h: torch.Tensor) -> None:
         """Choose ``n_active - n_static`` dynamic neurons from the prompt and put them in the
         prefix (:meth:`place`). A prompt prefilled in chunks (``state.last_chunk`` False until
-        its last) chooses at its last chunk from the votes of all, kept by neuron id meanwhile
-        (other rows may move slots between chunks)."""
+        its last), or whose prefix came from the prompt cache, chooses at its last chunk from the
+        votes of all, kept by neuron id meanwhile (other rows may move slots between chunks)."""
         k, s = self.n_loaded, self.n_static
         e = self.n_active - s
         st = self.state
@@ -396,18 +421,21 @@ class SelectiveMLP(nn.Module):
                 self.place(torch.arange(s, k, device=self.slot_ids.device))
             return
         counts, mass = self._votes(h)
-        if not st.last_chunk or self._votes_of is not None:
+        acc = self._votes_of.get(st.row)
+        if acc is not None or not st.last_chunk or st.keep_votes:
             ids = self.slot_ids
-            if self._votes_of is None or self._votes_of[0] != st.row:
+            if acc is None:
                 n = int(ids.max()) + 1 if ids.numel() else 0
-                self._votes_of = (st.row, torch.zeros(n, device=ids.device),
-                                  torch.zeros(n, device=ids.device))
-            self._votes_of[1].index_add_(0, ids, counts)
-            self._votes_of[2].index_add_(0, ids, mass)
+                acc = self._votes_of[st.row] = (torch.zeros(n, device=ids.device),
+                                                torch.zeros(n, device=ids.device))
+            acc[0].index_add_(0, ids, counts)
+            acc[1].index_add_(0, ids, mass)
             if not st.last_chunk:
                 return
-            counts, mass = self._votes_of[1][ids], self._votes_of[2][ids]
-            self._votes_of = None
+            del self._votes_of[st.row]
+            if st.keep_votes:
+                self.kept_votes = acc
+            counts, mass = acc[0][ids], acc[1][ids]
         key = counts + 0.5 * mass / mass.max().clamp_min(1e-30)  # ties broken by summed |a|
         key[:s] = -1.0
         self.place(torch.topk(key, e, sorted=False).indices)
@@ -451,8 +479,7 @@ class SelectiveMLP(nn.Module):
         """KV slot ``row`` left the batch: its mask is cleared and the prefix shrinks to the
         remaining rows' neurons (slots beyond the new prefix that a row computes are swapped into
         the holes, the masks follow)."""
-        if self._votes_of is not None and self._votes_of[0] == row:
-            self._votes_of = None
+        self._votes_of.pop(row, None)
         if row not in self.live:
             return
         self.live.discard(row)

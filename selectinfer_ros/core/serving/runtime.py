@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from ..execution.chat import Chat
 from ..execution.engine import ChoiceResult, Engine, GenerationConfig, GenerationResult
 from ..execution.metrics import (RunningStats, cuda_allocated_bytes, peak_rss_bytes,
                                  process_rss_bytes, system_available_bytes)
@@ -160,7 +161,7 @@ class Runtime:
         sm = self.selective
         return sm.catalog.tasks if sm is not None and sm.catalog is not None else []
 
-    def generate(self, prompt: str | list[int], config: GenerationConfig,
+    def generate(self, prompt: str | list[int] | Chat, config: GenerationConfig,
                  on_text: Callable[[str, int], None] | None = None,
                  cancel: Callable[[], bool] | None = None, task: str = "") -> GenerationResult:
         """Generate, switching to ``task`` first when it differs from the active one."""
@@ -171,7 +172,8 @@ class Runtime:
             self.stats.record(result.metrics)
             return result
 
-    def choose(self, prompt: str | list[int], choices: list[str], *, length_normalize: bool = False,
+    def choose(self, prompt: str | list[int] | Chat, choices: list[str], *,
+               length_normalize: bool = False,
                compute_ratio: float | None = None, use_chat_template: bool = False,
                cancel: Callable[[], bool] | None = None, task: str = "",
                special_tokens: bool = False) -> ChoiceResult:
@@ -194,6 +196,7 @@ class Runtime:
         if self.selective is None:
             raise ValueError("the dense model has no task profiles")
         report = self.selective.switch_task(task, cancel)
+        self.engine.prompt_cache.invalidate(self.engine.cache_key())  # other resident neurons
         self.task = task
         self.switches += 1
         self.last_switch = report

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..execution.batch import Batch
+from ..execution.chat import Chat, goal_chat, render, tool_grammar
 from ..execution.constrain import GrammarError, grammars_available
 from ..execution.engine import (Canceled, ChoiceResult, ContextLengthError, GenerationConfig,
                                 GenerationResult, check_choice_sizes, encode, validate_choices)
@@ -141,13 +142,42 @@ class _Call:
         self.error: BaseException | None = None
 
 
+def goal_prompt(goal) -> str | Chat:
+    """What a goal asks to answer: its conversation (``messages``, ``tools``, ``tool_choice``),
+    else its prompt."""
+    chat = goal_chat(goal)
+    return goal.prompt if chat is None else chat
+
+
+def _check_chat(goal, chat: Chat | None) -> None:
+    """Rejected(INVALID_GOAL) unless the goal gives a prompt or a well-formed conversation (not
+    both), and tools only with a conversation and no other constraint."""
+    if chat is None:
+        if not goal.prompt or not goal.prompt.strip():
+            raise Rejected(INVALID_GOAL, "empty prompt (give a prompt or messages)")
+        if getattr(goal, "tools", None) or getattr(goal, "tool_choice", ""):
+            raise Rejected(INVALID_GOAL, "tools and tool_choice need messages (a conversation)")
+        return
+    if goal.prompt.strip():
+        raise Rejected(INVALID_GOAL, "give a prompt or messages, not both")
+    try:
+        chat.validate()
+    except ValueError as e:
+        raise Rejected(INVALID_GOAL, short(str(e), MAX_REASON_CHARS)) from None
+    if chat.tools and (goal.choices or getattr(goal, "json_schema", "") or
+                       getattr(goal, "grammar", "")):
+        raise Rejected(INVALID_GOAL, "tools and choices/json_schema/grammar are mutually "
+                                     "exclusive; give one")
+
+
 def goal_config(goal, settings: NodeSettings, rt) -> tuple[GenerationConfig, float]:
     """The GenerationConfig and compute ratio of a goal (any object with the Generate goal's
     fields), or Rejected with the reason. No tokenization here: every check is cheap, so even
     an absurd goal is answered at once. With ``choices`` the sampling fields, ``stop`` and
-    ``max_new_tokens`` are ignored (as Generate.action says)."""
-    if not goal.prompt or not goal.prompt.strip():
-        raise Rejected(INVALID_GOAL, "empty prompt")
+    ``max_new_tokens`` are ignored (as Generate.action says). A goal with tools answers under
+    their grammar (:func:`.chat.tool_grammar`)."""
+    chat = goal_chat(goal)
+    _check_chat(goal, chat)
     if goal.task and goal.task != rt.task and goal.task not in rt.tasks:
         known = ", ".join(rt.tasks) or "none (no profiles folder)"
         raise Rejected(UNKNOWN_TASK, f"unknown task {short(goal.task)!r}; tasks: {known}")
@@ -187,6 +217,9 @@ def goal_config(goal, settings: NodeSettings, rt) -> tuple[GenerationConfig, flo
         stop=[s for s in goal.stop if s], use_chat_template=bool(goal.use_chat_template),
         special_tokens=settings.prompt_special_tokens, compute_ratio=phi_override,
         json_schema=json_schema, grammar=grammar)
+    if chat is not None and chat.tools:
+        cfg.grammar = tool_grammar(chat, rt.engine.tool_format)
+        cfg.tool_calls = chat.calls_allowed
     try:
         cfg.validate()
     except ValueError as e:
@@ -324,6 +357,7 @@ class Server:
         def build():
             rt = make()
             checker = copy.deepcopy(rt.engine.tokenizer)
+            rt.engine.tool_format  # how its chat template takes tools, found once here
             if grammars_available():
                 # The vocabulary for constrained goals, as part of the load: llguidance holds the
                 # GIL while it builds it (Gemma 3's 262144 tokens: 2.5 s, up to 5 s on a busy
@@ -360,23 +394,28 @@ class Server:
         self.state = "unloaded"
 
     # ---- goals ----------------------------------------------------------------------------
-    def check_prompt(self, prompt: str, use_chat_template: bool,
+    def check_prompt(self, prompt: str | Chat, use_chat_template: bool,
                      special_tokens: bool = False) -> int:
-        """Tokens of ``prompt`` if it fits the context, else Rejected. Uses a tokenizer of its
-        own (never the worker's), so the answer does not depend on what the worker is doing."""
+        """Tokens of ``prompt`` (a conversation: as its chat template renders it) if it fits the
+        context, else Rejected. Uses a tokenizer of its own (never the worker's), so the answer
+        does not depend on what the worker is doing."""
         rt = self.runtime
         if rt is None:
             raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
         limit = rt.engine.context_limit
-        if len(prompt) > limit * MAX_CHARS_PER_TOKEN:
-            raise Rejected(PROMPT_TOO_LONG, f"prompt has {len(prompt)} characters; the context "
+        chars = prompt.chars() if isinstance(prompt, Chat) else len(prompt)
+        if chars > limit * MAX_CHARS_PER_TOKEN:
+            what = "the conversation" if isinstance(prompt, Chat) else "prompt"
+            raise Rejected(PROMPT_TOO_LONG, f"{what} has {chars} characters; the context "
                                             f"limit is {limit} tokens")
         with self._check_lock:
             tok = self._check_tokenizer
             if tok is None:
                 raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
             try:
-                ids = encode(tok, prompt, use_chat_template, special_tokens)
+                ids = (render(tok, prompt, rt.engine.tool_format, special_tokens).ids
+                       if isinstance(prompt, Chat) else
+                       encode(tok, prompt, use_chat_template, special_tokens))
             except ValueError as e:  # e.g. no chat template
                 raise Rejected(INVALID_GOAL, str(e)) from None
             except Exception as e:  # noqa: BLE001 - a tokenizer failure is the goal's problem
@@ -414,6 +453,23 @@ class Server:
                                  if len(choices) <= MAX_CHOICES_CHECKED else None)
             except ValueError as e:
                 raise Rejected(INVALID_GOAL, f"invalid choices: {e}") from None
+
+    def check_tools(self, chat: Chat) -> None:
+        """Rejected(INVALID_GOAL) naming the first tool whose parameters schema does not compile
+        (bounded and cached as a json_schema goal's); NO_MODEL while the vocabulary is being
+        prepared."""
+        rt = self.runtime
+        if rt is None:
+            raise Rejected(NO_MODEL, f"no model loaded ({self.state})")
+        for tool in chat.tools:
+            if tool.parameters.strip():
+                try:
+                    self.check_constraint(GenerationConfig(json_schema=tool.parameters))
+                except Rejected as e:
+                    if e.code != INVALID_GOAL:
+                        raise
+                    raise Rejected(INVALID_GOAL, short(f"tool {tool.name!r}: {e.reason}",
+                                                       MAX_REASON_CHARS)) from None
 
     def check_constraint(self, config: GenerationConfig) -> None:
         """Rejected(INVALID_GOAL) when the goal's JSON schema or grammar is invalid or takes

@@ -4,7 +4,8 @@ Three statuses, named like diagnostic_updater names its tasks (``"<node>: <task>
 diagnostic_aggregator analyzers and rqt_robot_monitor group them:
 
 * ``<node>: memory``     resident weights (FFN / other), process RSS, CUDA, system available
-* ``<node>: throughput`` decode tokens/s, time to first token, queue, goal counters
+* ``<node>: throughput`` decode tokens/s, time to first token, queue, goal counters, the prompt
+  cache (entries, bytes, hits, misses, prompt tokens saved, entries evicted and invalidated)
 * ``<node>: profile``    active task, ratios in force, neurons loaded, switches, reload time
 
 ``hardware_id`` is the torch device; the throughput status carries the node's
@@ -30,7 +31,9 @@ THROUGHPUT_KEYS = ("last_tokens_per_second", "average_tokens_per_second",
                    "last_time_to_first_token", "last_computed_share", "queue_depth", "queue_length", "generating",
                    "running_goals", "max_batch", "aggregate_tokens_per_second",
                    "goals_succeeded", "goals_canceled", "goals_aborted", "goals_rejected",
-                   "last_rejection", "lifecycle_state")
+                   "last_rejection", "lifecycle_state", "prompt_cache_entries", "prompt_cache_bytes",
+                   "prompt_cache_limit_bytes", "prompt_cache_hits", "prompt_cache_misses",
+                   "prompt_cache_saved_tokens", "prompt_cache_evicted", "prompt_cache_invalidated")
 PROFILE_KEYS = ("active_task", "tasks", "model_id", "load_ratio", "static_ratio", "compute_ratio",
                 "compute_mode",
                 "neurons_loaded", "profile_switches", "last_reload_seconds",
@@ -78,6 +81,7 @@ class Snapshot:
     full_load_bytes_read: int = 0
     expected_agreement: float | None = None  # the active profile's quality curve at gamma/phi
     load_ratio_bound: str = ""  # what chose load_ratio: load_ratio, memory_budget, min_agreement
+    prompt_cache: dict = field(default_factory=dict)  # PromptCache.snapshot()
 
     @property
     def queue_full(self) -> bool:
@@ -142,6 +146,8 @@ def throughput_status(s: Snapshot) -> DiagnosticStatus:
         "goals_aborted": s.aborted, "goals_rejected": s.rejected,
         "last_rejection": s.last_rejection, "lifecycle_state": s.lifecycle_state,
     }
+    values.update({k: int(s.prompt_cache.get(k, 0)) for k in THROUGHPUT_KEYS
+                   if k.startswith("prompt_cache_")})
     if not s.model_loaded:
         level, msg = ERROR, _not_loaded(s)
     elif s.lifecycle_state and s.lifecycle_state != "active":

@@ -34,11 +34,12 @@ from rclpy.qos import QoSProfile
 
 from diagnostic_msgs.msg import DiagnosticArray
 from selectinfer_msgs.action import Generate
-from selectinfer_msgs.msg import ActiveProfile
+from selectinfer_msgs.msg import ActiveProfile, ToolCall
 from selectinfer_msgs.srv import ReloadBase
 
+from ...core.execution.chat import Chat
 from ...core.serving.server import (CANCELED, GENERATION_FAILED, GoalJob, Outcome, Rejected,
-                                    Server, goal_config, reload_timeout, short)
+                                    Server, goal_config, goal_prompt, reload_timeout, short)
 from ..plumbing import (BURST_QOS, LATCHED, exit_now, guarded, internal_error,
                         one_transition_at_a_time, run_node)
 from ..safe_action import SafeActionServer
@@ -92,6 +93,8 @@ def result_message(outcome: Outcome) -> Generate.Result:
     r.parsed = bool(res.parsed) and outcome.status == "succeeded"
     r.prompt_tokens, r.generated_tokens = m.prompt_tokens, m.generated_tokens
     r.time_to_first_token, r.tokens_per_second = m.time_to_first_token, m.tokens_per_second
+    r.cached_tokens = m.cached_tokens
+    r.tool_calls = [ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in res.tool_calls]
     return r
 
 
@@ -207,6 +210,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
         except Exception as e:  # noqa: BLE001 - reported, the node stays unconfigured
             log.error(f"configure failed: {type(e).__name__}: {e}")
             return TransitionCallbackReturn.FAILURE
+        rt.engine.set_prompt_cache(s.prompt_cache_mb)
         log.info(f"loaded {rt.model_id} on {rt.device}: task {rt.task or '-'}, load_ratio "
                  f"{rt.load_ratio:g}, compute_ratio {rt.compute_ratio:g}, "
                  f"{rt.bytes_read / 2**20:.1f} MiB read in {rt.load_seconds:.2f} s")
@@ -282,10 +286,13 @@ class InferenceNode(LifecycleNodeMixin, Node):
             if rt is None:
                 raise Rejected("NO_MODEL", f"no model loaded ({self.server.state})")
             cfg, _ = goal_config(goal, self.settings, rt)
-            tokens = self.server.check_prompt(goal.prompt, bool(goal.use_chat_template),
+            prompt = goal_prompt(goal)
+            tokens = self.server.check_prompt(prompt, bool(goal.use_chat_template),
                                               self.settings.prompt_special_tokens)
             if goal.choices:
                 self.server.check_choices(list(goal.choices), tokens)
+            if isinstance(prompt, Chat):
+                self.server.check_tools(prompt)  # names the tool whose schema does not compile
             self.server.check_constraint(cfg)  # json_schema / grammar: compiled (bounded), cached
             self.server.admit()
             return GoalResponse.ACCEPT
@@ -315,7 +322,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
             refused = None
         except Rejected as e:  # validated a moment ago; only a vanished model gets here
             cfg, phi, refused = None, 0.0, e
-        g = _Goal(gh, (goal.prompt, cfg, goal.task, phi), list(goal.choices),
+        g = _Goal(gh, (goal_prompt(goal), cfg, goal.task, phi), list(goal.choices),
                   bool(goal.length_normalize))
         g.job.refused = refused
         g.clients = self._action_clients()
@@ -488,6 +495,8 @@ class InferenceNode(LifecycleNodeMixin, Node):
                                       callback_group=self._diag_group)  # before the old one goes
             old_timer, self._diag_timer = self._diag_timer, timer
             self.destroy_timer(old_timer)
+        if rt is not None and new.prompt_cache_mb != self.settings.prompt_cache_mb:
+            rt.engine.set_prompt_cache(new.prompt_cache_mb)
         self.settings = new
         self.server.queue_length = new.queue_length
         self.server.max_batch = new.max_batch  # from the next batch that forms
@@ -534,6 +543,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
         snap.full_load_seconds, snap.full_load_bytes_read = rt.load_seconds, rt.bytes_read
         snap.expected_agreement = rt.expected_agreement(snap.compute_ratio)
         snap.load_ratio_bound = rt.load_choice.bound
+        snap.prompt_cache = rt.engine.prompt_cache.snapshot()
         return snap
 
     @guarded(lambda self, e: None)
