@@ -20,6 +20,8 @@ static inline float half_to_float(uint16_t h) { /* the CPU's own conversion (fcv
     memcpy(&f, &h, sizeof f);
     return (float)f;
 }
+#elif defined(SI_AVX2) || defined(SI_AVX512)
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); } /* F16C */
 #else
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
@@ -57,6 +59,18 @@ static inline void q4_head(const uint8_t *h, float *d, float *dmin, uint8_t sm[1
     u[0] &= k1;
     memcpy(sm, u, 16);
 }
+
+#if defined(SI_AVX2) || defined(SI_AVX512)
+/* The same in a register: bytes 0-7 the scales, 8-15 the minimums (no round trip through memory,
+   whose narrower stores a wider load could not forward). */
+static inline __m128i q4_head_vec(const uint8_t *h) {
+    uint32_t u[3];
+    memcpy(u, h + 4, 12);
+    const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
+    return _mm_set_epi32((int)(((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4)), (int)(u[1] & k1),
+                         (int)((u[2] & k2) | (((u[0] >> 6) & k3) << 4)), (int)(u[0] & k1));
+}
+#endif
 
 /* Head bytes of a row of K weights. */
 static inline int64_t q4_head_bytes(int64_t K) { return (K + Q4_SB - 1) / Q4_SB * Q4_HEAD; }
@@ -114,12 +128,13 @@ static void q4_row(const uint8_t *w, const uint8_t *hd, int64_t nb, const int8_t
             p[2 * c + 1] = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), one);
 #endif
         }
-        float d, dmin;
-        uint8_t sm[16];
-        q4_head(hd + s * Q4_HEAD, &d, &dmin, sm);
-        __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm)));
-        __m256 mn = _mm256_cvtepi32_ps(
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8))));
+        const uint8_t *h = hd + s * Q4_HEAD;
+        uint16_t hdm[2];
+        memcpy(hdm, h, 4);
+        float d = half_to_float(hdm[0]), dmin = half_to_float(hdm[1]);
+        __m128i sm = q4_head_vec(h);
+        __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
+        __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
         __m256 xdv = _mm256_loadu_ps(xd + 8 * s);
         acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum8(p)), xdv),
                               _mm256_mul_ps(sc, _mm256_set1_ps(d)), acc);
