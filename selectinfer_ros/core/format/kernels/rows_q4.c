@@ -251,30 +251,43 @@ static inline void prefetch_column(const uint8_t *w, const uint8_t *hd, int64_t 
 static void down_coeffs(const float *a, const uint8_t *hd, int64_t ldh, const int32_t *idx,
                         int64_t g0, int64_t G, int64_t bc, int64_t nbc, int16_t *cq, float *s,
                         int32_t *cs, float *kb) {
-    float D[DG * DB], Mn[DG * DB]; /* entry i's a * d * sc and a * dmin * m per sub-block */
+    /* D: entry i's a * d * sc per sub-block; Mt: the sum over the entries of a * dmin * m (in
+       entry order on every path). A partial last super-block writes a few unread columns. */
+    float D[DG * DB], Mt[DB];
+    for (int64_t b = 0; b < DB; b++) Mt[b] = 0.0f;
     for (int64_t i = 0; i < G; i++) {
         const uint8_t *h = hd + (idx ? idx[g0 + i] : g0 + i) * ldh + bc / 8 * Q4_HEAD;
         float ai = a[g0 + i];
         for (int64_t b = 0; b < nbc; b += 8, h += Q4_HEAD) {
+#if defined(SI_AVX2) || defined(SI_AVX512)
+            uint16_t hdm[2];
+            memcpy(hdm, h, 4);
+            float ad = ai * half_to_float(hdm[0]), am = ai * half_to_float(hdm[1]);
+            __m128i sm = q4_head_vec(h);
+            _mm256_storeu_ps(D + i * DB + b, _mm256_mul_ps(_mm256_set1_ps(ad),
+                                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+            __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+            _mm256_storeu_ps(Mt + b, _mm256_add_ps(_mm256_loadu_ps(Mt + b),
+                                                   _mm256_mul_ps(_mm256_set1_ps(am), mn)));
+#else
             float d, dmin;
             uint8_t sm[16];
             q4_head(h, &d, &dmin, sm);
             float ad = ai * d, am = ai * dmin;
             for (int j = 0; j < 8; j++) {
                 D[i * DB + b + j] = ad * (float)sm[j];
-                Mn[i * DB + b + j] = am * (float)sm[8 + j];
+                Mt[b + j] += am * (float)sm[8 + j];
             }
+#endif
         }
     }
     int64_t b = 0;
 #if defined(SI_AVX2) || defined(SI_AVX512)
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (; b + 8 <= nbc; b += 8) {
-        __m256 mx = _mm256_setzero_ps(), mt = _mm256_setzero_ps();
-        for (int64_t i = 0; i < G; i++) {
+        __m256 mx = _mm256_setzero_ps();
+        for (int64_t i = 0; i < G; i++)
             mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(D + i * DB + b)));
-            mt = _mm256_add_ps(mt, _mm256_loadu_ps(Mn + i * DB + b));
-        }
         __m256 sc = _mm256_div_ps(mx, _mm256_set1_ps(127.0f));
         __m256 inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), sc),
                                    _mm256_cmp_ps(sc, _mm256_setzero_ps(), _CMP_GT_OQ));
@@ -290,15 +303,14 @@ static void down_coeffs(const float *a, const uint8_t *hd, int64_t ldh, const in
         _mm256_storeu_si256((__m256i *)(cs + b), sum);
         _mm256_storeu_ps(kb + b, _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f),
                                                              _mm256_mul_ps(sc, _mm256_cvtepi32_ps(sum))),
-                                               mt));
+                                               _mm256_loadu_ps(Mt + b)));
     }
 #endif
     for (; b < nbc; b++) {
-        float mx = 0.0f, mt = 0.0f;
+        float mx = 0.0f;
         for (int64_t i = 0; i < G; i++) {
             float c = fabsf(D[i * DB + b]);
             mx = c > mx ? c : mx;
-            mt += Mn[i * DB + b];
         }
         float sc = mx / 127.0f, inv = sc > 0.0f ? 1.0f / sc : 0.0f;
         int32_t sum = 0;
@@ -309,7 +321,7 @@ static void down_coeffs(const float *a, const uint8_t *hd, int64_t ldh, const in
         }
         s[b] = sc;
         cs[b] = sum;
-        kb[b] = 8.0f * (sc * (float)sum) - mt;
+        kb[b] = 8.0f * (sc * (float)sum) - Mt[b];
     }
 }
 
