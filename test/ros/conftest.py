@@ -130,7 +130,8 @@ def wait_for_future():
 def tiny_llm(tmp_path_factory):
     """A tiny random llama, packed, with task profiles 'alpha' and 'beta' that differ.
 
-    Returns an object with .model (packed folder) and .profiles (folder of *.safetensors).
+    Returns an object with .model (packed folder), .profiles (folder of *.safetensors) and .hf
+    (the checkpoint, for other packs of the same weights).
     """
     import types
 
@@ -161,7 +162,7 @@ def tiny_llm(tmp_path_factory):
     Profile('beta', manifest.model_id, manifest.fingerprint, beta, tokens,
             'test').save(profiles / 'beta.safetensors')
     del model
-    return types.SimpleNamespace(model=packed, profiles=profiles, model_id=manifest.model_id)
+    return types.SimpleNamespace(model=packed, profiles=profiles, model_id=manifest.model_id, hf=hf)
 
 
 class LLMGraph:

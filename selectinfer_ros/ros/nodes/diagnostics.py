@@ -37,7 +37,8 @@ THROUGHPUT_KEYS = ("last_tokens_per_second", "average_tokens_per_second",
 PROFILE_KEYS = ("active_task", "tasks", "model_id", "load_ratio", "static_ratio", "compute_ratio",
                 "compute_mode",
                 "neurons_loaded", "profile_switches", "last_reload_seconds",
-                "last_reload_bytes_read", "full_load_seconds", "full_load_bytes_read",
+                "last_reload_bytes_read", "last_reload_neurons_read",
+                "last_reload_neurons_retiered", "int8_ratio", "full_load_seconds", "full_load_bytes_read",
                 "expected_agreement", "load_ratio_bound")
 
 
@@ -77,6 +78,9 @@ class Snapshot:
     switches: int = 0
     last_reload_seconds: float = 0.0
     last_reload_bytes_read: int = 0
+    last_reload_neurons_read: int = 0
+    last_reload_neurons_retiered: int = 0  # tiered records: of those read, promoted or demoted
+    int8_ratio: float = 0.0  # share of each layer's neurons in the int8 tier (0: one tier)
     full_load_seconds: float = 0.0
     full_load_bytes_read: int = 0
     expected_agreement: float | None = None  # the active profile's quality curve at gamma/phi
@@ -169,6 +173,9 @@ def profile_status(s: Snapshot) -> DiagnosticStatus:
         "compute_mode": s.compute_mode, "neurons_loaded": int(s.memory.get("neurons_loaded", 0)),
         "profile_switches": s.switches, "last_reload_seconds": float(s.last_reload_seconds),
         "last_reload_bytes_read": int(s.last_reload_bytes_read),
+        "last_reload_neurons_read": int(s.last_reload_neurons_read),
+        "last_reload_neurons_retiered": int(s.last_reload_neurons_retiered),
+        "int8_ratio": float(s.int8_ratio),
         "full_load_seconds": float(s.full_load_seconds),
         "full_load_bytes_read": int(s.full_load_bytes_read),
         "expected_agreement": "n/a" if s.expected_agreement is None else float(s.expected_agreement),

@@ -455,11 +455,15 @@ class InferenceNode(LifecycleNodeMixin, Node):
                 response.message = f"task {self.server.task!r} is active" + (" already" if task else "")
                 self._publish_loaded()
             else:
+                retiered = (f", {report.neurons_retiered} re-tiered" if report.neurons_retiered
+                            else "")
                 response.message = (f"switched to {short(task)!r}: {report.bytes_read} bytes read "
-                                    f"({report.neurons_read} neurons) in {report.seconds:.3f} s")
+                                    f"({report.neurons_read} neurons{retiered}) in "
+                                    f"{report.seconds:.3f} s")
                 response.reload_seconds = float(report.seconds)
                 response.bytes_read = int(report.bytes_read)
                 response.neurons_read = int(report.neurons_read)
+                response.neurons_retiered = int(report.neurons_retiered)
         except (Rejected, TimeoutError, RuntimeError) as e:
             response.success = False
             response.message = e.reason if isinstance(e, Rejected) else str(e)
@@ -540,6 +544,9 @@ class InferenceNode(LifecycleNodeMixin, Node):
         snap.switches = rt.switches
         snap.last_reload_seconds = last.seconds if last else 0.0
         snap.last_reload_bytes_read = last.bytes_read if last else 0
+        snap.last_reload_neurons_read = last.neurons_read if last else 0
+        snap.last_reload_neurons_retiered = last.neurons_retiered if last else 0
+        snap.int8_ratio = float(rt.selective.int8_ratio if rt.selective else 0.0)
         snap.full_load_seconds, snap.full_load_bytes_read = rt.load_seconds, rt.bytes_read
         snap.expected_agreement = rt.expected_agreement(snap.compute_ratio)
         snap.load_ratio_bound = rt.load_choice.bound

@@ -230,6 +230,7 @@ class ProfileManager(LifecycleNodeMixin, Node):
         response.success, response.message = resp.success, resp.message
         response.active_task = resp.active_task or self.active_task
         response.reload_seconds, response.bytes_read = resp.reload_seconds, resp.bytes_read
+        response.neurons_read, response.neurons_retiered = resp.neurons_read, resp.neurons_retiered
         if resp.success:
             self.active_task = resp.active_task
         return response

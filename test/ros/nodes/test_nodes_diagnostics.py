@@ -103,7 +103,31 @@ def test_diagnostics_at_period_with_keys_and_engine_values(llm_graph, wait_until
     prof = diag.as_dict(by_name(local.ours()[-1][1])[f'{NODE}: profile'])
     assert prof['active_task'] == 'beta' and prof['profile_switches'] == '1'
     assert int(prof['last_reload_bytes_read']) == rt.last_switch.bytes_read > 0
+    assert int(prof['last_reload_neurons_read']) == rt.last_switch.neurons_read > 0
+    assert prof['last_reload_neurons_retiered'] == '0' and float(prof['int8_ratio']) == 0.0
     assert float(prof['last_reload_seconds']) > 0
+
+
+def test_a_tiered_switch_reports_the_neurons_it_promoted_and_demoted(llm_graph, tiny_llm, tmp_path):
+    """int8_ratio on a 4-bit pack: the reload service and the profile diagnostics report the
+    neurons read, of them those that changed tier, as the loader counted them."""
+    from selectinfer_msgs.srv import ReloadBase
+    from selectinfer_ros.core.format.pack import pack
+    q4 = pack(tiny_llm.hf, tmp_path / 'q4', weights='q4', log=lambda s: None).path
+    g = llm_graph(model=str(q4), load_ratio=0.8, compute_ratio=0.8, int8_ratio=0.3).ready()
+    rt = g.node.server.runtime
+    assert rt.selective.int8_ratio == 0.3
+    resp = g.call(ReloadBase, 'reload_base', ReloadBase.Request(task='beta'), timeout=120.0)
+    assert resp.success, resp.message
+    rep = rt.last_switch
+    assert resp.neurons_read == rep.neurons_read > 0 and resp.bytes_read == rep.bytes_read
+    assert resp.neurons_retiered == rep.neurons_retiered > 0
+    assert f'{rep.neurons_retiered} re-tiered' in resp.message
+    prof = diag.as_dict(by_name(g.node.publish_diagnostics())[f'{NODE}: profile'])
+    assert prof['active_task'] == 'beta' and float(prof['int8_ratio']) == 0.3
+    assert int(prof['last_reload_neurons_read']) == rep.neurons_read
+    assert int(prof['last_reload_neurons_retiered']) == rep.neurons_retiered
+    assert g.run(g.goal(max_new_tokens=3)).status == GoalStatus.STATUS_SUCCEEDED
 
 
 def test_diagnostics_warn_when_queue_full(llm_graph, wait_until):
