@@ -19,6 +19,11 @@ measured decode speed of the nearest measured point (else the fewest bytes read)
 that speed and CPU, and a records format without task curves of its own takes the curve of
 another format corrected by the agreement gap between the two formats measured there. A point
 below a curve's measured gammas has no agreement figure (a clamped curve would flatter it).
+
+Tiered records (a 4-bit pack with an int8 tier): each int8 tier the frontier measured for the
+pack's format is a candidate, at the largest gamma its bytes allow (the int8 tier's records
+counted at their own size), its agreement the format's curve plus the gap the frontier measured
+between the tiered rows and the curve's format.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from typing import Callable
 
 from ..options import ModelOptions
 from ..selection.profiles import LoadRatioChoice, ProfileCatalog, QualityCurve, with_ci
-from .measured import MeasuredFrontier
+from .measured import MeasuredFrontier, tier_key
 
 
 @dataclass(frozen=True)
@@ -44,12 +49,15 @@ class Point:
     gap: float = 0.0  # frontier agreement gap added to another format's curve
     speed: float | None = None  # measured decode tok/s of the nearest measured point
     speed_note: str = ""
+    int8_ratio: float = 0.0  # the int8 tier's share of each layer's neurons (0: one tier)
 
     def describe(self) -> str:
-        what = f"{self.weights or 'model'} records, load_ratio {self.load_ratio:.2f}, compute_ratio " \
-               f"{self.load_ratio * self.share:.2f}"
+        tier = f" with an int8 tier of {self.int8_ratio:g}" if self.int8_ratio else ""
+        what = f"{self.weights or 'model'} records{tier}, load_ratio {self.load_ratio:.2f}, " \
+               f"compute_ratio {self.load_ratio * self.share:.2f}"
         if self.curve is not None and self.agreement is not None:
-            fixed = (f" {self.gap:+.3f} measured on the frontier between {self.weights} and "
+            fixed = (f" {self.gap:+.3f} measured on the frontier between "
+                     f"{tier_key(self.weights, self.int8_ratio)} and "
                      f"{self.curve.weights or 'float'} records" if self.gap else "")
             what += (f"; measured agreement with dense {with_ci(self.agreement, self.curve.tokens)}"
                      f" (95 % CI over {self.curve.tokens} held-out tokens, task {self.task}, "
@@ -79,6 +87,7 @@ def choose_point(opts: ModelOptions, packs: dict[str, str], profiles, log: Calla
                  ) -> LoadRatioChoice:
     """The point to run at (see the module doc) among ``packs`` (weights format -> packed folder);
     logs it. ValueError when no point can run."""
+    from ..format.pack import int8_record_bytes
     from ..selection.loader import activation_dtype, load_ratio_for_budget
     budget = int(opts.memory_budget_mb * 2**20) if opts.memory_budget_mb > 0 else None
     target = opts.min_agreement if opts.min_agreement > 0 else None
@@ -88,6 +97,7 @@ def choose_point(opts: ModelOptions, packs: dict[str, str], profiles, log: Calla
     reasons: list[str] = []
     for weights, path in packs.items():
         fixed, layer, sparse, m = _sizes(path, opts)
+        own = m.weights or "float"
         catalog = ProfileCatalog(profiles, m) if profiles else None
         measured = MeasuredFrontier.load(profiles, m.model_id)
         tasks = [opts.task] if opts.task else (catalog.tasks if catalog else [])
@@ -109,29 +119,45 @@ def choose_point(opts: ModelOptions, packs: dict[str, str], profiles, log: Calla
         shares = [fixed_share] if fixed_share else sorted(
             {s for c in curves.values() if c is not None for s in c.compute_shares} or {1.0})
 
-        def gap(c: QualityCurve, g: float, share: float) -> float:
+        def gap(c: QualityCurve, g: float, share: float, key: str) -> float:
             """What this format costs against the format ``c`` was measured on (frontier)."""
-            return measured.curve_gap(c.weights, m.weights, g, g * share) if measured else 0.0
+            return measured.curve_gap(c.weights, key, g, g * share) if measured else 0.0
 
-        def point(g: float, share: float) -> Point:
+        def point(g: float, share: float, r8: float = 0.0) -> Point:
+            key = tier_key(own if r8 else m.weights, r8)
             low = None
             if curves and all(c is not None for c in curves.values()):
-                low = min(((c.expected_agreement(g, g * share) + gap(c, g, share), t, c)
+                low = min(((c.expected_agreement(g, g * share) + gap(c, g, share, key), t, c)
                            for t, c in curves.items()), key=lambda x: x[0])
             below = low is not None and g < min(low[2].load_ratios) - 1e-9
-            own = m.weights or "float"
-            near = measured.nearest(own, g, g * share) if measured else None
-            return Point(weights, path, g, share, int(fixed + sparse * layer * g),
-                         int(fixed + sparse * layer * g * share),
+            near = measured.nearest(tier_key(own, r8), g, g * share) if measured else None
+            ffn = layer * g + (hi_layer - layer) * r8  # one layer's resident records
+            return Point(weights, path, g, share, int(fixed + sparse * ffn),
+                         int(fixed + sparse * ffn * share),
                          None if below or low is None else low[0], low[1] if low else "",
-                         low[2] if low else None, gap(low[2], g, share) if low else 0.0,
+                         low[2] if low else None, gap(low[2], g, share, key) if low else 0.0,
                          near and near.decode_tokens_per_second,
-                         measured.speed_note(own, g, g * share) if measured else "")
+                         measured.speed_note(tier_key(own, r8), g, g * share) if measured else "",
+                         r8)
+
+        hi_layer = m.intermediate_size * int8_record_bytes(m.hidden_size) if m.high else layer
+        for r8 in (measured.tiers(own) if measured and m.high == "int8" else []):
+            room = ((budget - fixed) / sparse - (hi_layer - layer) * r8) / layer if budget else 1.0
+            g_t = min(1.0, g_max if budget is None else room)
+            if g_t <= r8:
+                reasons.append(f"{own} with an int8 tier of {r8:g}: does not fit the budget")
+                continue
+            for share in shares:
+                p = point(round(g_t, 6), share, r8)
+                fitting.append(p)
+                if target is not None and p.agreement is not None \
+                        and p.agreement >= target - 1e-6:
+                    meeting.append(p)
 
         for share in shares:
             fitting.append(point(g_max, share))
             if target is not None:
-                need = max((_smallest_gamma(c, target - gap(c, 1.0, share), share) or 2.0)
+                need = max((_smallest_gamma(c, target - gap(c, 1.0, share, m.weights), share) or 2.0)
                            for c in curves.values())
                 if need <= g_max + 1e-9:
                     p = point(need, share)
@@ -177,4 +203,5 @@ def _done(p: Point, bound: str, why: str, log: Callable[[str], None]) -> LoadRat
         log(f"[load] warning: the {p.task} curve counts only {p.curve.tokens} held-out tokens: "
             f"the interval above is wide; re-measure it with more (`selectinfer profile --task "
             f"{p.task} --curve-only --heldout FILE`)")
-    return LoadRatioChoice(p.load_ratio, bound, message, p.agreement, p.weights, p.share, p.path)
+    return LoadRatioChoice(p.load_ratio, bound, message, p.agreement, p.weights, p.share, p.path,
+                           p.int8_ratio or None)

@@ -4,7 +4,10 @@ dense model on one set of held-out tokens (general profile) and decode speed on 
 
 The point choice (:mod:`.choice`) reads from it the speed of the point it runs, and the agreement
 gap between a records format without its own task curves and the format whose curve stands in
-(``int8-q4emb`` against ``int8``: what its 4-bit output layer costs at that gamma and phi).
+(``int8-q4emb`` against ``int8``: what its 4-bit output layer costs at that gamma and phi). A
+tiered row (4-bit records with an int8 tier, ``int8_ratio`` > 0) is a format of its own here,
+keyed ``<weights>+int8:<ratio>`` (:func:`tier_key`); the random-ranking ablation rows are left
+out (no node runs them).
 """
 from __future__ import annotations
 
@@ -15,9 +18,14 @@ from pathlib import Path
 FRONTIER_FILE = "frontier.json"
 
 
+def tier_key(weights: str, int8_ratio: float) -> str:
+    """The frontier's name of ``weights`` records with an int8 tier of ``int8_ratio``."""
+    return f"{weights}+int8:{int8_ratio:g}" if int8_ratio > 0 else weights
+
+
 @dataclass(frozen=True)
 class MeasuredPoint:
-    weights: str
+    weights: str  # tier_key of the records format and int8 tier
     load_ratio: float
     compute_ratio: float
     agreement: float
@@ -25,6 +33,7 @@ class MeasuredPoint:
     decode_tokens_per_second: float
     threads: int
     cpu: str
+    int8_ratio: float = 0.0
 
 
 class MeasuredFrontier:
@@ -46,12 +55,15 @@ class MeasuredFrontier:
             rows = json.loads(path.read_text())
             if not isinstance(rows, list):
                 raise ValueError("not a list of rows")
-            points = [MeasuredPoint(str(r["weights"]), float(r["load_ratio"]),
+            points = [MeasuredPoint(tier_key(str(r["weights"]), float(r.get("int8_ratio", 0.0))),
+                                    float(r["load_ratio"]),
                                     float(r["compute_ratio"]), float(r["agreement"]),
                                     int(r.get("tokens", 0)), float(r["decode_tokens_per_second"]),
-                                    int(r.get("threads", 1)), str(r.get("cpu", "")))
+                                    int(r.get("threads", 1)), str(r.get("cpu", "")),
+                                    float(r.get("int8_ratio", 0.0)))
                       for r in rows if r.get("source") == "selectinfer"
-                      and r.get("compute_mode", "prompt") == "prompt"]  # the curves' own mode
+                      and r.get("compute_mode", "prompt") == "prompt"  # the curves' own mode
+                      and r.get("ranking", "profile") == "profile"]
             models = {r.get("model") for r in rows if r.get("source") == "selectinfer"}
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}: not a `selectinfer frontier` file ({e})") from e
@@ -59,10 +71,16 @@ class MeasuredFrontier:
             raise ValueError(f"{path}: measured on {', '.join(sorted(map(str, models)))}, "
                              f"not {model_id}")
         bad = [p for p in points if not (0 < p.compute_ratio <= p.load_ratio <= 1
-                                         and 0 <= p.agreement <= 1)]
+                                         and 0 <= p.agreement <= 1
+                                         and 0 <= p.int8_ratio < p.load_ratio)]
         if bad:
             raise ValueError(f"{path}: row {bad[0]} out of range")
         return cls(points, path)
+
+    def tiers(self, weights: str) -> list[float]:
+        """The int8 tiers measured for ``weights`` records (their int8_ratio values > 0)."""
+        return sorted({p.int8_ratio for p in self.points
+                       if p.int8_ratio > 0 and p.weights == tier_key(weights, p.int8_ratio)})
 
     def nearest(self, weights: str, load_ratio: float, compute_ratio: float
                 ) -> MeasuredPoint | None:

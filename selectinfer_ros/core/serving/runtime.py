@@ -56,6 +56,16 @@ def candidate_packs(opts: ModelOptions, log: Callable[[str], None]) -> dict[str,
     return {w: model_path(opts, log, w) for w in CHOICE_WEIGHTS}
 
 
+def tiered_packs(opts: ModelOptions, packs: dict[str, str], measured: MeasuredFrontier | None,
+                 log: Callable[[str], None]) -> dict[str, str]:
+    """``packs`` and, when they are candidate_packs' choice of formats, the 4-bit formats whose
+    int8 tiers the model's measured frontier holds (packed once, on first use)."""
+    if measured is None or set(packs) != set(CHOICE_WEIGHTS):
+        return packs
+    from ..format.weights import Q4_WEIGHTS
+    return {**packs, **{w: model_path(opts, log, w) for w in Q4_WEIGHTS if measured.tiers(w)}}
+
+
 class Runtime:
     """A served model: generate, switch task, report memory."""
 
@@ -98,6 +108,8 @@ class Runtime:
         if choosing:
             if opts.min_agreement > 0 and profiles is None:
                 raise ValueError("min_agreement needs task profiles with a quality curve")
+            packs = tiered_packs(opts, packs, MeasuredFrontier.load(profiles, manifest.model_id),
+                                 log)
             self.load_choice = choose_point(opts, packs, profiles, log)
             path = self.load_choice.path or path
         compute = opts.compute_ratio

@@ -157,3 +157,54 @@ def test_a_corrupt_or_foreign_frontier_file_is_refused_with_its_name(with_fronti
     (bad / "frontier.json").write_text(json.dumps(rows))
     with pytest.raises(ValueError, match="measured on another-model"):
         _choose(packs, bad, memory_budget_mb=500)
+
+
+@pytest.fixture(scope="module")
+def with_tiers(with_frontier, tiny_models, tmp_path_factory):
+    """with_frontier plus 4-bit records (an int8 tier in their pack) and frontier rows: q4 alone
+    agrees 0.10 below int8, with an int8 tier of 0.3 0.02 below; the random-ranking row of the
+    same tier (0.5 below) is the ablation, which no node runs."""
+    import json
+    from selectinfer_ros.core.format.pack import pack, read_manifest
+    packs, d = with_frontier
+    root = tmp_path_factory.mktemp("tiers")
+    q4 = pack(tiny_models["tiny-llama"][0], root / "packed-q4", weights="q4", log=lambda s: None).path
+    prof = root / "profiles"
+    shutil.copytree(d, prof)
+    rows = json.loads((d / "frontier.json").read_text())
+    model = read_manifest(q4).model_id
+    for r8, ranking, below, tps in ((0.0, "profile", 0.10, 40.0), (0.3, "profile", 0.02, 35.0),
+                                    (0.3, "random", 0.5, 35.0)):
+        rows.append({"source": "selectinfer", "model": model, "weights": "q4", "load_ratio": 1.0,
+                     "compute_ratio": 1.0, "int8_ratio": r8, "ranking": ranking, "tokens": 2040,
+                     "threads": 1, "agreement": 0.95 - below, "cpu": "Test CPU",
+                     "decode_tokens_per_second": tps})
+    (prof / "frontier.json").write_text(json.dumps(rows))
+    return {**packs, "q4": str(q4)}, prof
+
+
+def test_a_tiered_point_is_chosen_by_its_measured_gap_and_its_bytes(with_tiers):
+    from selectinfer_ros.core.selection.loader import SelectiveModel
+    from selectinfer_ros.core.serving.measured import MeasuredFrontier
+    packs, d = with_tiers
+    m = MeasuredFrontier.load(d, SelectiveModel(packs["q4"]).manifest.model_id)
+    assert m.tiers("q4") == [0.3] and m.tiers("int8") == []
+    assert m.nearest("q4+int8:0.3", 1.0, 1.0).agreement == pytest.approx(0.93)  # not the ablation
+    tiered = SelectiveModel(packs["q4"], d, "alpha", int8_ratio=0.3).weight_bytes()["total"]
+    plain = SelectiveModel(packs["q4"], d, "alpha").weight_bytes()["total"]
+    int8 = SelectiveModel(packs["int8"], d, "alpha").weight_bytes()["total"]
+    assert plain < tiered < int8
+    # a budget that holds the tiered q4 records at gamma 1 but int8 only near 0.8: the tier wins
+    # (int8 curve 1.0 - 0.03, gap -0.02 -> 0.95; int8 at its gamma agrees less)
+    c, log = _choose(packs, d, memory_budget_mb=(tiered + 4096) / 2**20)
+    assert c.weights == "q4" and c.int8_ratio == 0.3 and c.load_ratio == pytest.approx(1.0)
+    assert c.expected_agreement == pytest.approx(1.0 - 0.03 - 0.02, abs=1e-4)
+    assert "q4 records with an int8 tier of 0.3" in log
+    assert "measured on the frontier between q4+int8:0.3 and int8 records" in log
+    assert "measured decode 35.0 tok/s (1 thread, Test CPU" in log
+    # the chosen point runs: the loader holds that tier
+    sm = SelectiveModel(c.path, d, "alpha", load_ratio=c.load_ratio, int8_ratio=c.int8_ratio)
+    assert sm.weight_bytes()["total"] <= (tiered + 4096)
+    # a budget below the tier's bytes: not the tier
+    c, log = _choose(packs, d, memory_budget_mb=(plain + 4096) / 2**20)
+    assert c.int8_ratio is None
