@@ -173,24 +173,28 @@ def build_subjects(args, model_path: Path, profiles: Path | None, log) -> list[S
                      load_seconds=dense.load_seconds, bytes_read=dense.bytes_read,
                      weight_bytes=dense.weight_bytes, peak_rss_bytes=dense.peak_rss_bytes)
         subjects.append(hf)
-    by_gamma: dict[tuple[str, float, str], SelectiveModel] = {}
+    by_gamma: dict[tuple[str, float, str, float], SelectiveModel] = {}
     modes = getattr(args, "compute_modes", None) or ["prompt"]
     for weights, mode in ((w, m) for w in args.weights for m in modes):
         path = model_path if weights == "float" else pack_of(model_path, weights, log)
-        for gamma, phi in grid:
+        high = read_manifest(path).high
+        for (gamma, phi), r8 in ((gp, r) for gp in grid for r in
+                                 [0.0] + sorted(getattr(args, "int8_ratios", None) or [])):
             if mode == "token" and phi >= gamma:
                 continue  # every loaded neuron: the prompt mode's subject
+            if r8 and (high != "int8" or r8 >= gamma):
+                continue  # tiers: 4-bit packs, below gamma
             tag = "" if weights == "float" else f" {weights}"
-            suffix = "" if mode == "prompt" else " token"
+            suffix = (f" int8 {r8:g}" if r8 else "") + ("" if mode == "prompt" else " token")
             s = Subject(f"selectinfer{tag} {gamma:g}/{phi:g}{suffix}", "selectinfer", gamma, phi,
                         weights=weights)
-            key = (weights, gamma, mode)
+            key = (weights, gamma, mode, r8)
             if key not in by_gamma:
-                def make_sel(s: Subject, gamma=gamma, path=path, key=key, mode=mode) -> None:
+                def make_sel(s: Subject, gamma=gamma, path=path, key=key, mode=mode, r8=r8) -> None:
                     sm = SelectiveModel(path, profiles, args.task or None, load_ratio=gamma,
                                         static_ratio=min(0.3, min(p for g, p in grid if g == gamma)),
                                         compute_ratio=gamma, device=args.device, dtype=args.dtype,
-                                        compute_mode=mode, log=log)
+                                        compute_mode=mode, int8_ratio=r8, log=log)
                     sm.tokenizer = tok
                     by_gamma[key] = sm
                 _load(s, make_sel)
@@ -283,7 +287,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     model_path, profiles = resolve_model(args, log, llama_dir)
     manifest = read_manifest(model_path)
     log(f"[bench] {manifest.model_id}: threads={threads} device={args.device} dtype={args.dtype or manifest.dtype}")
-    peers = llama_cpp.subjects(llama_dir, manifest.model_id, log) if llama_dir else []
+    peers = llama_cpp.subjects(llama_dir, manifest.model_id, log,
+                               tuple(getattr(args, "llama_types", None) or llama_cpp.TYPES)
+                               ) if llama_dir else []
     subjects = build_subjects(args, model_path, profiles, log)
     g = torch.Generator().manual_seed(0)
     vocab = subjects[0].model.config.vocab_size

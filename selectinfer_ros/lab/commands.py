@@ -75,6 +75,11 @@ def register(sub) -> None:
     p.add_argument("--llama-cpp", help="llama.cpp build folder with llama-bench and llama-quantize, "
                    "or `auto`: the build of scripts/build_llama_cpp.sh; adds Q8_0, F16 and Q4_K_M "
                    "rows of the same weights to the same interleaved run (embedded model, --preset)")
+    p.add_argument("--llama-types", nargs="+", metavar="TYPE",
+                   help="llama.cpp quants instead of Q8_0 F16 Q4_K_M (e.g. Q5_K_M Q4_K_S Q4_0)")
+    p.add_argument("--int8-ratios", nargs="+", type=float, metavar="R",
+                   help="tiered rows of the 4-bit packs: each share of the neurons per layer in "
+                        "the int8 tier (below gamma), beside the one-tier row")
     p.add_argument("--quick", action="store_true", help="small grid, few tokens (CI)")
     p.add_argument("--out", help="folder for bench.json and the plot")
     p.add_argument("--json-only", action="store_true", help="no progress lines on stderr")

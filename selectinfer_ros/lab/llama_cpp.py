@@ -260,13 +260,15 @@ def source_gguf(model_id: str, log: Log) -> Path | None:
     return source
 
 
-def subjects(d: Path, model_id: str, log: Log) -> list[LlamaCppSubject]:
-    """The llama.cpp rows for ``model_id`` (:func:`source_gguf`; none for other models)."""
+def subjects(d: Path, model_id: str, log: Log, types: tuple[str, ...] = TYPES
+             ) -> list[LlamaCppSubject]:
+    """The llama.cpp rows of ``types`` for ``model_id`` (:func:`source_gguf`; none for other
+    models)."""
     source = source_gguf(model_id, log)
     if source is None:
         return []
     return [LlamaCppSubject(q, p, bytes_per_decode_token(p, d))
-            for q, p in quantized(d, source, model_id, log).items()]
+            for q, p in quantized(d, source, model_id, log, types).items()]
 
 
 if __name__ == "__main__":
