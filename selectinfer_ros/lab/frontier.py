@@ -591,7 +591,7 @@ def merge(rows: list[dict], earlier: str | Path) -> list[dict]:
 
 
 def cmd_frontier(args: argparse.Namespace) -> int:
-    from .plots import compute_mode_plot, frontier_plot
+    from .plots import compute_mode_plot, frontier_plot, tier_plot
     rows = run(args)
     if args.merge:
         rows = merge(rows, args.merge)
@@ -607,6 +607,10 @@ def cmd_frontier(args: argparse.Namespace) -> int:
             compute_mode_plot(rows, out / f"compute-modes-{w}.png", w,
                               title=f"{rows[0]['model']} {w}: per-prompt vs per-token selection "
                                     f"({rows[0]['tokens']} held-out tokens)")
+        if any(r.get("int8_ratio") for r in rows):
+            tier_plot(rows, pareto(rows), out / "tiers.png",
+                      title=f"{rows[0]['model']}: 4-bit records with int8 tiers vs llama.cpp "
+                            f"({rows[0]['tokens']} held-out tokens)")
         (out / "frontier.partial.json").unlink(missing_ok=True)
         print(f"wrote {out / 'frontier.json'} and {out / 'frontier.png'}; copied into the "
               f"model's profiles folder as frontier.json, it gives memory_budget_mb / "

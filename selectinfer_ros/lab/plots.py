@@ -114,6 +114,58 @@ def frontier_plot(rows: list[dict], front: list[int], path: str | Path, title: s
     return Path(path)
 
 
+def tier_plot(rows: list[dict], front: list[int], path: str | Path, title: str = "") -> Path:
+    """The 4-bit records' rows with their int8 tiers against llama.cpp's quants, where they meet:
+    agreement against resident MiB (linear), one line per records format through its int8 tiers
+    (the profile's order), the random-ranking ablation as crosses, the Pareto front; every point
+    labelled."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mib = lambda r: r["weight_bytes"] / 2**20  # noqa: E731
+    ours = [r for r in rows if r.get("source") == "selectinfer" and r.get("load_ratio") == 1.0
+            and r.get("compute_ratio") == 1.0 and r.get("compute_mode", "prompt") == "prompt"
+            and r.get("weights", "").startswith("q4")]
+    llama = [r for r in rows if r.get("source") == "llama.cpp"]
+    shown = ours + llama
+    lo = min((mib(r) for r in ours), default=0) * 0.8
+    hi = max((mib(r) for r in ours), default=1) * 1.15
+    shown = [r for r in shown if lo <= mib(r) <= hi]
+    fig, ax = plt.subplots(figsize=(9, 6))
+    on = [rows[i] for i in front if lo <= mib(rows[i]) <= hi]
+    ax.step([mib(r) for r in on], [r["agreement"] for r in on], where="post", color="C3", lw=1.0,
+            label="Pareto front (all rows)", zorder=0)
+    for k, w in enumerate(sorted({r["weights"] for r in ours})):
+        line = sorted((r for r in ours if r["weights"] == w and r.get("ranking", "profile") == "profile"),
+                      key=mib)
+        ax.plot([mib(r) for r in line], [r["agreement"] for r in line], "o-", color=f"C{k}",
+                label=f"ours {w}: int8 tier 0 .. r (profile's order)", zorder=2)
+        rnd = [r for r in ours if r["weights"] == w and r.get("ranking") == "random"]
+        if rnd:
+            ax.plot([mib(r) for r in rnd], [r["agreement"] for r in rnd], "x", color=f"C{k}",
+                    ms=9, mew=2, label=f"ours {w}: random order (ablation)", zorder=2)
+    lr = [r for r in llama if lo <= mib(r) <= hi]
+    ax.plot([mib(r) for r in lr], [r["agreement"] for r in lr], "s", color="0.3",
+            label="llama.cpp (same weights)", zorder=2)
+    for r in shown:
+        ax.errorbar([mib(r)], [r["agreement"]], yerr=[[r["agreement"] - r["agreement_ci_low"]],
+                                                     [r["agreement_ci_high"] - r["agreement"]]],
+                    fmt="none", ecolor="0.75", elinewidth=0.7, zorder=1)
+        ax.annotate(r["name"].replace("selectinfer ", "").replace("llama.cpp ", ""),
+                    (mib(r), r["agreement"]), textcoords="offset points", xytext=(4, -9),
+                    fontsize=6.5)
+    ax.set_xlabel("resident weights (MiB)")
+    ax.set_ylabel("top-token agreement with the dense float model")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7.5, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
 def compute_mode_plot(rows: list[dict], path: str | Path, weights: str = "int8", title: str = "") -> Path:
     """Frontier rows of one records format: agreement with dense against the MLP rows read per
     decode token (a share of all neurons: phi for the prompt mode, (gamma + candidates +

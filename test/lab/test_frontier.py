@@ -215,3 +215,37 @@ def test_token_rows_beside_the_prompt_rows_and_merged(tiny_models, token_profile
     other.write_text(json.dumps([{**tok, "heldout": "something else"}]))
     bad = subprocess.run(common + ["--merge", str(other)], capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "its heldout is 'something else'" in bad.stderr
+
+
+def test_tier_rows_and_the_random_ranking_ablation(tiny_models, tiny_profiles, tmp_path):
+    """--int8-ratios adds the tiered rows of a 4-bit pack (the same pack, more bytes than one tier),
+    --rankings random the ablation at exactly the tiered row's bytes; the tier plot is drawn and
+    the dense reference kept for a later --base."""
+    _, packed = tiny_models["tiny-llama"]
+    g = torch.Generator().manual_seed(5)
+    text = tmp_path / "heldout.txt"
+    text.write_text("\n".join(" ".join(f"w{int(t)}" for t in torch.randint(4, 500, (40,), generator=g))
+                              for _ in range(4)))
+    common = [sys.executable, "-m", "selectinfer_ros.cli", "frontier", "--model", str(packed),
+              "--profiles", str(tiny_profiles["tiny-llama"]), "--data", str(text), "--ctx", "32",
+              "--tokens", "60", "--repeats", "1", "--new-tokens", "3", "--weights", "q4",
+              "--gammas", "1", "--phi-shares", "1", "--no-quant"]
+    res = subprocess.run(common + ["--int8-ratios", "0.3", "1.5", "--rankings", "profile", "random",
+                                   "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads((tmp_path / "out" / "frontier.json").read_text())}
+    assert set(rows) == {"selectinfer q4 1/1", "selectinfer q4 1/1 int8 0.3",
+                         "selectinfer q4 1/1 int8 0.3 random"}  # 1.5: not below gamma, no row
+    one, tier, rnd = (rows["selectinfer q4 1/1"], rows["selectinfer q4 1/1 int8 0.3"],
+                      rows["selectinfer q4 1/1 int8 0.3 random"])
+    assert (one["int8_ratio"], tier["int8_ratio"], rnd["int8_ratio"]) == (0.0, 0.3, 0.3)
+    assert (tier["ranking"], rnd["ranking"]) == ("profile", "random")
+    assert one["weight_bytes"] < tier["weight_bytes"] == rnd["weight_bytes"]
+    assert (tmp_path / "out" / "tiers.png").stat().st_size > 10_000
+    base = tmp_path / "out" / "dense-logits.kld"
+    again = subprocess.run(common + ["--base", str(base)], capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(--base)" in again.stderr and "selectinfer q4 1/1: agreement" in again.stderr
+    assert f"selectinfer q4 1/1: agreement {one['agreement']:.4f}" in again.stderr
