@@ -202,6 +202,35 @@ def test_every_path_of_this_cpu_computes_the_down_product_as_the_plain_c_path(is
             assert torch.allclose(y, out["plain"], rtol=1e-5, atol=1e-5 * float(y.abs().max())), name
 
 
+def test_several_activation_rows_at_once_give_each_rows_own_result():
+    """A prefill's tokens share each super-block's unpacking (rows) and each group's heads (the
+    down product): every token's result equals its product alone, bit for bit."""
+    k = kernel.load()
+    g = torch.Generator().manual_seed(6)
+    for n, kk, m in [(37, 640, 7), (70, 1536, 5), (9, 64, 9)]:
+        packed, d = q4.quantize(torch.randn(n, kk, generator=g))
+        x = torch.randn(m, kk, generator=g)
+        y = torch.empty(m, n)
+        assert k.lib.si_linear_q4(x.data_ptr(), m, kk, packed.data_ptr(), d.data_ptr(), n,
+                                  packed.stride(0), d.stride(0), y.data_ptr(), 1) == 0
+        for i in range(m):
+            one = torch.empty(1, n)
+            xi = x[i:i + 1].clone()
+            k.lib.si_linear_q4(xi.data_ptr(), 1, kk, packed.data_ptr(), d.data_ptr(), n,
+                               packed.stride(0), d.stride(0), one.data_ptr(), 1)
+            assert torch.equal(one[0], y[i])
+        a = torch.randn(m, n, generator=g)
+        z = torch.empty(m, kk)
+        assert k.lib.si_axpy_q4(a.data_ptr(), m, n, packed.data_ptr(), d.data_ptr(),
+                                packed.stride(0), d.stride(0), kk, z.data_ptr(), 2) == 0
+        for i in range(m):
+            one = torch.empty(1, kk)
+            ai = a[i:i + 1].clone()
+            k.lib.si_axpy_q4(ai.data_ptr(), 1, n, packed.data_ptr(), d.data_ptr(),
+                             packed.stride(0), d.stride(0), kk, one.data_ptr(), 1)
+            assert torch.equal(one[0], z[i])
+
+
 @pytest.fixture(scope="module")
 def q4_packed(tiny_models, tmp_path_factory):
     from selectinfer_ros.core.format.pack import pack

@@ -179,6 +179,69 @@ static void q4_row(const uint8_t *w, const uint8_t *hd, int64_t nb, const int8_t
     *out = rest;
 }
 
+/* q4_row for T <= 4 activation rows at once (row t: xq + t * ldq, xd and xs + t * ldd; out[t *
+   ldo]): each super-block's nibbles and head are unpacked once for all of them (a prefill's
+   tokens); each row's result equals q4_row's. */
+#define Q4_MT 4
+static void q4_row_multi(const uint8_t *w, const uint8_t *hd, int64_t nb, int64_t T,
+                         const int8_t *xq, int64_t ldq, const float *xd, const int32_t *xs,
+                         int64_t ldd, float *out, int64_t ldo) {
+#if defined(SI_AVX2) || defined(SI_AVX512)
+    int64_t s = 0, nfull = nb / 8;
+    __m256 acc[Q4_MT], accm[Q4_MT];
+    for (int64_t t = 0; t < T; t++) acc[t] = accm[t] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (; s < nfull; s++) {
+        const uint8_t *ws = w + s * (Q4_SB / 2);
+        __m256i nib[8]; /* sub-block j's 32 nibbles as bytes */
+        for (int c = 0; c < 4; c++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(ws + c * QK));
+            nib[2 * c] = _mm256_and_si256(raw, low);
+            nib[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        }
+        const uint8_t *h = hd + s * Q4_HEAD;
+        uint16_t hdm[2];
+        memcpy(hdm, h, 4);
+        float d = half_to_float(hdm[0]), dmin = half_to_float(hdm[1]);
+        __m128i sm = q4_head_vec(h);
+        __m256 scd = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)), _mm256_set1_ps(d));
+        __m256 mnd = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
+                                   _mm256_set1_ps(dmin));
+        for (int64_t t = 0; t < T; t++) {
+            const int8_t *xs8 = xq + t * ldq + s * Q4_SB;
+            __m256i p[8];
+            for (int j = 0; j < 8; j++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xs8 + j * QK));
+#if defined(SI_AVXVNNI)
+                p[j] = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), nib[j], xv);
+#elif defined(SI_VNNI512)
+                p[j] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), nib[j], xv);
+#else
+                p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(nib[j], xv), _mm256_set1_epi16(1));
+#endif
+            }
+            __m256 xdv = _mm256_loadu_ps(xd + t * ldd + 8 * s);
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum8(p)), xdv), scd, acc[t]);
+            __m256 xsv = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(xs + t * ldd + 8 * s)));
+            accm[t] = _mm256_fmadd_ps(_mm256_mul_ps(xsv, xdv), mnd, accm[t]);
+        }
+    }
+    for (int64_t t = 0; t < T; t++) {
+        float rest = hsum256(_mm256_sub_ps(acc[t], accm[t]));
+        for (int64_t u = s; u * 8 < nb; u++) {
+            int64_t nsub = nb - u * 8 < 8 ? nb - u * 8 : 8;
+            rest += q4_superblock(w + u * (Q4_SB / 2), hd + u * Q4_HEAD, nsub,
+                                  xq + t * ldq + u * Q4_SB, xd + t * ldd + u * 8,
+                                  xs + t * ldd + u * 8);
+        }
+        out[t * ldo] = rest;
+    }
+#else
+    for (int64_t t = 0; t < T; t++)
+        q4_row(w, hd, nb, xq + t * ldq, xd + t * ldd, xs + t * ldd, out + t * ldo);
+#endif
+}
+
 int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint8_t *hd,
                  int64_t N, int64_t ldw, int64_t ldh, float *y, int threads) {
     if (K % (2 * QK)) return -2;
@@ -200,9 +263,10 @@ int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const u
         int64_t n0, n1;
         share(N, team_id(), team_size(), &n0, &n1);
         for (int64_t n = n0; n < n1; n++)
-            for (int64_t m = 0; m < M; m++)
-                q4_row(w + n * ldw, hd + n * ldh, nb, xq + m * nb * QK, xd + m * nb, xs + m * nb,
-                       y + m * N + n);
+            for (int64_t m = 0; m < M; m += Q4_MT)
+                q4_row_multi(w + n * ldw, hd + n * ldh, nb, M - m < Q4_MT ? M - m : Q4_MT,
+                             xq + m * nb * QK, nb * QK, xd + m * nb, xs + m * nb, nb, y + m * N + n,
+                             N);
     }
     free(xq);
     free(xd);
@@ -244,43 +308,10 @@ static inline void prefetch_column(const uint8_t *w, const uint8_t *hd, int64_t 
     if ((b & 31) == 0) __builtin_prefetch(hd + r * ldh + b / 8 * Q4_HEAD, 0, 2);
 }
 
-/* The coefficients of list entries [g0, g0 + G) for sub-blocks [bc, bc + nbc) (bc a super-block's
-   first): cq [G, DB] int16 (row i: entry g0 + i, column b - bc), s [nbc] the scales, cs [nbc]
-   the sums over i of cq, kb [nbc] the constant each y of the sub-block gets (see above). Entry j
-   is a[j] with the heads of row idx[j] of hd (idx NULL: row j). */
-static void down_coeffs(const float *a, const uint8_t *hd, int64_t ldh, const int32_t *idx,
-                        int64_t g0, int64_t G, int64_t bc, int64_t nbc, int16_t *cq, float *s,
-                        int32_t *cs, float *kb) {
-    /* D: entry i's a * d * sc per sub-block; Mt: the sum over the entries of a * dmin * m (in
-       entry order on every path). A partial last super-block writes a few unread columns. */
-    float D[DG * DB], Mt[DB];
-    for (int64_t b = 0; b < DB; b++) Mt[b] = 0.0f;
-    for (int64_t i = 0; i < G; i++) {
-        const uint8_t *h = hd + (idx ? idx[g0 + i] : g0 + i) * ldh + bc / 8 * Q4_HEAD;
-        float ai = a[g0 + i];
-        for (int64_t b = 0; b < nbc; b += 8, h += Q4_HEAD) {
-#if defined(SI_AVX2) || defined(SI_AVX512)
-            uint16_t hdm[2];
-            memcpy(hdm, h, 4);
-            float ad = ai * half_to_float(hdm[0]), am = ai * half_to_float(hdm[1]);
-            __m128i sm = q4_head_vec(h);
-            _mm256_storeu_ps(D + i * DB + b, _mm256_mul_ps(_mm256_set1_ps(ad),
-                                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
-            __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
-            _mm256_storeu_ps(Mt + b, _mm256_add_ps(_mm256_loadu_ps(Mt + b),
-                                                   _mm256_mul_ps(_mm256_set1_ps(am), mn)));
-#else
-            float d, dmin;
-            uint8_t sm[16];
-            q4_head(h, &d, &dmin, sm);
-            float ad = ai * d, am = ai * dmin;
-            for (int j = 0; j < 8; j++) {
-                D[i * DB + b + j] = ad * (float)sm[j];
-                Mt[b + j] += am * (float)sm[8 + j];
-            }
-#endif
-        }
-    }
+/* The coefficients' quantization (down_coeffs): D [G, DB] entry i's a * d * sc per sub-block, Mt
+   [DB] the sums over the entries of a * dmin * m -> cq, s, cs, kb. */
+static void quant_coeffs(const float *D, const float *Mt, int64_t G, int64_t nbc, int16_t *cq,
+                         float *s, int32_t *cs, float *kb) {
     int64_t b = 0;
 #if defined(SI_AVX2) || defined(SI_AVX512)
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -323,6 +354,47 @@ static void down_coeffs(const float *a, const uint8_t *hd, int64_t ldh, const in
         cs[b] = sum;
         kb[b] = 8.0f * (sc * (float)sum) - Mt[b];
     }
+}
+
+
+/* The coefficients of list entries [g0, g0 + G) for sub-blocks [bc, bc + nbc) (bc a super-block's
+   first): cq [G, DB] int16 (row i: entry g0 + i, column b - bc), s [nbc] the scales, cs [nbc]
+   the sums over i of cq, kb [nbc] the constant each y of the sub-block gets (see above). Entry j
+   is a[j] with the heads of row idx[j] of hd (idx NULL: row j). */
+static void down_coeffs(const float *a, const uint8_t *hd, int64_t ldh, const int32_t *idx,
+                        int64_t g0, int64_t G, int64_t bc, int64_t nbc, int16_t *cq, float *s,
+                        int32_t *cs, float *kb) {
+    /* D: entry i's a * d * sc per sub-block; Mt: the sum over the entries of a * dmin * m (in
+       entry order on every path). A partial last super-block writes a few unread columns. */
+    float D[DG * DB], Mt[DB];
+    for (int64_t b = 0; b < DB; b++) Mt[b] = 0.0f;
+    for (int64_t i = 0; i < G; i++) {
+        const uint8_t *h = hd + (idx ? idx[g0 + i] : g0 + i) * ldh + bc / 8 * Q4_HEAD;
+        float ai = a[g0 + i];
+        for (int64_t b = 0; b < nbc; b += 8, h += Q4_HEAD) {
+#if defined(SI_AVX2) || defined(SI_AVX512)
+            uint16_t hdm[2];
+            memcpy(hdm, h, 4);
+            float ad = ai * half_to_float(hdm[0]), am = ai * half_to_float(hdm[1]);
+            __m128i sm = q4_head_vec(h);
+            _mm256_storeu_ps(D + i * DB + b, _mm256_mul_ps(_mm256_set1_ps(ad),
+                                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+            __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+            _mm256_storeu_ps(Mt + b, _mm256_add_ps(_mm256_loadu_ps(Mt + b),
+                                                   _mm256_mul_ps(_mm256_set1_ps(am), mn)));
+#else
+            float d, dmin;
+            uint8_t sm[16];
+            q4_head(h, &d, &dmin, sm);
+            float ad = ai * d, am = ai * dmin;
+            for (int j = 0; j < 8; j++) {
+                D[i * DB + b + j] = ad * (float)sm[j];
+                Mt[b + j] += am * (float)sm[8 + j];
+            }
+#endif
+        }
+    }
+    quant_coeffs(D, Mt, G, nbc, cq, s, cs, kb);
 }
 
 /* y[sub-blocks bc .. bc + nbc) += the group's G rows wr[i] (nibbles, from sub-block 0) times
@@ -430,24 +502,82 @@ static void axpy_q4_group(const uint8_t *const *wr, int64_t G, const int16_t *cq
     }
 }
 
-/* y = sum over the list j < k of a[j] * row idx[j] (idx NULL: rows 0..k-1, the active prefix;
-   else the neurons a token kept, read in place), sub-blocks [b0, b1) of y (b0 a super-block's
-   first). */
-static void axpy_q4_part(const float *a, int64_t k, const int32_t *idx, const uint8_t *w,
-                         const uint8_t *hd, int64_t ldw, int64_t ldh, float *y, int64_t b0,
-                         int64_t b1) {
+/* The heads of list entries [g0, g0 + G) for sub-blocks [bc, bc + nbc), decoded once for several
+   activation rows: per entry and super-block d and dmin (dm [G][DB / 8][2]), per sub-block its
+   scale and minimum as floats (hs, hm [G][DB]). */
+static void down_heads(const uint8_t *hd, int64_t ldh, const int32_t *idx, int64_t g0, int64_t G,
+                       int64_t bc, int64_t nbc, float *dm, float *hs, float *hm) {
+    for (int64_t i = 0; i < G; i++) {
+        const uint8_t *h = hd + (idx ? idx[g0 + i] : g0 + i) * ldh + bc / 8 * Q4_HEAD;
+        for (int64_t b = 0; b < nbc; b += 8, h += Q4_HEAD) {
+            float *o = dm + (i * (DB / 8) + b / 8) * 2;
+            uint8_t sm[16];
+            q4_head(h, o, o + 1, sm);
+            for (int j = 0; j < 8; j++) {
+                hs[i * DB + b + j] = (float)sm[j];
+                hm[i * DB + b + j] = (float)sm[8 + j];
+            }
+        }
+    }
+}
+
+/* down_coeffs from decoded heads (down_heads): the same products in the same order. */
+static void coeffs_from_heads(const float *a, int64_t g0, int64_t G, int64_t nbc, const float *dm,
+                              const float *hs, const float *hm, int16_t *cq, float *s, int32_t *cs,
+                              float *kb) {
+    float D[DG * DB], Mt[DB];
+    for (int64_t b = 0; b < DB; b++) Mt[b] = 0.0f;
+    for (int64_t i = 0; i < G; i++) {
+        float ai = a[g0 + i];
+        for (int64_t b = 0; b < nbc; b += 8) {
+            const float *o = dm + (i * (DB / 8) + b / 8) * 2;
+            float ad = ai * o[0], am = ai * o[1];
+#if defined(SI_AVX2) || defined(SI_AVX512)
+            _mm256_storeu_ps(D + i * DB + b, _mm256_mul_ps(_mm256_set1_ps(ad),
+                                                           _mm256_loadu_ps(hs + i * DB + b)));
+            _mm256_storeu_ps(Mt + b, _mm256_add_ps(_mm256_loadu_ps(Mt + b),
+                                                   _mm256_mul_ps(_mm256_set1_ps(am),
+                                                                 _mm256_loadu_ps(hm + i * DB + b))));
+#else
+            for (int j = 0; j < 8; j++) {
+                D[i * DB + b + j] = ad * hs[i * DB + b + j];
+                Mt[b + j] += am * hm[i * DB + b + j];
+            }
+#endif
+        }
+    }
+    quant_coeffs(D, Mt, G, nbc, cq, s, cs, kb);
+}
+
+/* y_m = sum over j < k of a_m[j] * row j, for the M activation rows a_m = a + m * lda (y_m = y +
+   m * ldy), sub-blocks [b0, b1) of each y_m (b0 a super-block's first): per group the heads are
+   decoded once for every row (a prefill's tokens), and each row sums the group as one row alone
+   does (down_coeffs, axpy_q4_group: the same results). */
+static void axpy_q4_rows(const float *a, int64_t M, int64_t lda, int64_t k, const uint8_t *w,
+                         const uint8_t *hd, int64_t ldw, int64_t ldh, float *y, int64_t ldy,
+                         int64_t b0, int64_t b1) {
     int16_t cq[DG * DB];
-    float s[DB], kb[DB];
+    float s[DB], kb[DB], hs[DG * DB], hm[DG * DB], dm[DG * DB / 4];
     int32_t cs[DB];
     const uint8_t *wr[DG]; /* the group's rows */
-    for (int64_t i = b0 * QK; i < b1 * QK; i++) y[i] = 0.0f;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = b0 * QK; i < b1 * QK; i++) y[m * ldy + i] = 0.0f;
     for (int64_t bc = b0; bc < b1; bc += DB) {
         int64_t nbc = b1 - bc < DB ? b1 - bc : DB;
         for (int64_t g0 = 0; g0 < k; g0 += DG) {
             int64_t G = k - g0 < DG ? k - g0 : DG;
-            for (int64_t i = 0; i < G; i++) wr[i] = w + (idx ? idx[g0 + i] : g0 + i) * ldw;
-            down_coeffs(a, hd, ldh, idx, g0, G, bc, nbc, cq, s, cs, kb);
-            axpy_q4_group(wr, G, cq, s, cs, kb, bc, nbc, y, w, hd, ldw, ldh, idx, g0, k);
+            for (int64_t i = 0; i < G; i++) wr[i] = w + (g0 + i) * ldw;
+            if (M == 1) {
+                down_coeffs(a, hd, ldh, NULL, g0, G, bc, nbc, cq, s, cs, kb);
+                axpy_q4_group(wr, G, cq, s, cs, kb, bc, nbc, y, w, hd, ldw, ldh, NULL, g0, k);
+                continue;
+            }
+            down_heads(hd, ldh, NULL, g0, G, bc, nbc, dm, hs, hm);
+            for (int64_t m = 0; m < M; m++) {
+                coeffs_from_heads(a + m * lda, g0, G, nbc, dm, hs, hm, cq, s, cs, kb);
+                axpy_q4_group(wr, G, cq, s, cs, kb, bc, nbc, y + m * ldy, m == 0 ? w : NULL, hd,
+                              ldw, ldh, NULL, g0, k);
+            }
         }
     }
 }
@@ -463,9 +593,7 @@ int si_axpy_q4(const float *a, int64_t M, int64_t k, const uint8_t *w, const uin
     {
         int64_t s0, s1;
         share((nb + 7) / 8, team_id(), team_size(), &s0, &s1);
-        for (int64_t m = 0; m < M; m++)
-            axpy_q4_part(a + m * k, k, NULL, w, hd, ldw, ldh, y + m * H, 8 * s0,
-                         8 * s1 < nb ? 8 * s1 : nb);
+        axpy_q4_rows(a, M, k, k, w, hd, ldw, ldh, y, H, 8 * s0, 8 * s1 < nb ? 8 * s1 : nb);
     }
     return 0;
 }

@@ -26,7 +26,7 @@
    member's share of the rows as one stream when more than half of it are candidates: then the
    cheaper read), down neuron-major (a kept column is one contiguous row, y summed in float, each member over its
    range of H). 4-bit records keep the column as they are (the integer down product of
-   axpy_q4_part over the list).
+   axpy_q4_group over the list).
    Each member counts its kept slots and its candidates (si_model.cnt, .cand); one adds the
    layer's totals to *si_layer.kept and *si_layer.candidates (where set) once per call.
 
