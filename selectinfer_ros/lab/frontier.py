@@ -545,7 +545,8 @@ def print_table(rows: list[dict]) -> None:
     r0 = rows[0]
     print(f"agreement = top token equal to the dense float model's, KL = KL(dense || config) nats "
           f"per token, both on the same {r0['tokens']} held-out tokens ({r0['heldout']}); "
-          f"tok/s: decode at {r0['threads']} thread(s); front = on the Pareto front "
+          f"tok/s: decode at {'/'.join(str(t) for t in sorted({r['threads'] for r in rows}))} "
+          f"thread(s) (merged runs: each row its own); front = on the Pareto front "
           f"(fewer MiB, higher agreement); profile: {r0['profile'] or '-'}")
     for r in rows:
         if r.get("note"):
