@@ -4,7 +4,8 @@ Layers, bottom first (a module may import its own sub-package and any lower laye
 
     core.format < core.options < core.selection < core.execution < core.profiling, core.serving
     < lab, ros < cli
-    inside ros: plumbing, safe_action < nodes, client < behaviours, tools, bringup < demo, examples
+    inside ros: plumbing, safe_action < nodes, client < behaviours, tools, bringup, langchain_chat
+    < demo, examples
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ LAYERS = [  # (prefix, rank); the longest matching prefix wins
     ("lab", 5), ("ros", 5), ("data", 5), ("cli", 7),
 ]
 ROS_LAYERS = [("ros.plumbing", 0), ("ros.safe_action", 0), ("ros.nodes", 1), ("ros.client", 1),
-              ("ros.behaviours", 2), ("ros.tools", 2), ("ros.bringup", 2), ("ros.demo", 3),
-              ("ros.examples", 3), ("ros", 0)]
+              ("ros.behaviours", 2), ("ros.tools", 2), ("ros.bringup", 2),
+              ("ros.langchain_chat", 2), ("ros.demo", 3), ("ros.examples", 3), ("ros", 0)]
 ROS_MODULES = ("rclpy", "rcl_interfaces", "lifecycle_msgs", "action_msgs", "diagnostic_msgs",
                "selectinfer_msgs", "launch", "launch_ros", "py_trees")
 
