@@ -9,14 +9,10 @@ import uuid
 from typing import Literal
 
 import pytest
-
-pytest.importorskip("langchain_core")
-
-from langchain_core.messages import (AIMessage, HumanMessage, SystemMessage,  # noqa: E402
-                                     ToolMessage)
-from langchain_core.tools import tool  # noqa: E402
-from langchain_core.utils.function_calling import convert_to_openai_tool  # noqa: E402
-from pydantic import BaseModel, Field  # noqa: E402
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import BaseModel, Field
 
 from selectinfer_ros.ros.client import STATUS_REJECTED, LLMClient  # noqa: E402
 from selectinfer_ros.ros.langchain_chat import (ChatSelectInfer, SelectInferError,  # noqa: E402
