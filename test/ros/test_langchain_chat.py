@@ -14,8 +14,8 @@ from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field
 
-from selectinfer_ros.ros.client import STATUS_REJECTED, LLMClient  # noqa: E402
-from selectinfer_ros.ros.langchain_chat import (ChatSelectInfer, SelectInferError,  # noqa: E402
+from selectinfer_ros.ros.client import STATUS_REJECTED, LLMClient
+from selectinfer_ros.ros.langchain_chat import (ChatSelectInfer, SelectInferError,
                                                 to_dict, tool_choice_of)
 
 
