@@ -84,12 +84,14 @@ def test_service_and_message_fields():
     assert _fields(SwitchProfile.Request) == {'task': 'string'}
     assert _fields(SwitchProfile.Response) == {
         'success': 'boolean', 'message': 'string', 'active_task': 'string',
-        'reload_seconds': 'double', 'bytes_read': 'uint64',
+        'reload_seconds': 'double', 'bytes_read': 'uint64', 'neurons_read': 'uint32',
+        'neurons_retiered': 'uint32',
     }
     assert _fields(ReloadBase.Request) == {'task': 'string', 'timeout': 'double'}
     assert _fields(ReloadBase.Response) == {
         'success': 'boolean', 'message': 'string', 'active_task': 'string',
         'reload_seconds': 'double', 'bytes_read': 'uint64', 'neurons_read': 'uint32',
+        'neurons_retiered': 'uint32',
     }
     assert _fields(ChatMessage) == {'role': 'string', 'content': 'string',
                                      'tool_calls': 'sequence<selectinfer_msgs/ToolCall>',
@@ -134,7 +136,8 @@ SAMPLES = [
                            reload_seconds=0.0625, bytes_read=2**40 + 3),
     ReloadBase.Request(task='qa'),
     ReloadBase.Response(success=False, message='unknown task', active_task='navigation',
-                        reload_seconds=1.5, bytes_read=123456789, neurons_read=36864),
+                        reload_seconds=1.5, bytes_read=123456789, neurons_read=36864,
+                        neurons_retiered=512),
     ActiveProfile(task='qa', model_id='gemma-3-270m', load_ratio=0.625, static_ratio=0.125,
                   stamp=Time(sec=1_700_000_000, nanosec=999_999_999)),
 ]
