@@ -9,8 +9,8 @@ its 95 % Wilson interval). Rules:
 - ``min_agreement``: the points whose agreement holds at their gamma and every larger one
   (:meth:`QualityCurve.load_ratio_for`); run the one reading the fewest bytes per token (decode is
   bandwidth-bound: the fastest), then the smallest. Bound: min_agreement.
-- ``memory_budget_mb``: the points that fit; run the one with the highest agreement (without
-  curves: phi = gamma), then the fastest. Bound: memory_budget.
+- ``memory_budget_mb``: the points that fit; run the one with the highest agreement (without a
+  figure: phi = gamma and the most neurons), then the fastest. Bound: memory_budget.
 - both: the fastest point meeting both; when none does, memory wins (weights that do not fit
   cannot run): the best agreement that fits, and the log says the target is not met.
 
@@ -19,6 +19,10 @@ measured decode speed of the nearest measured point (else the fewest bytes read)
 that speed and CPU, and a records format without task curves of its own takes the curve of
 another format corrected by the agreement gap between the two formats measured there. A point
 below a curve's measured gammas has no agreement figure (a clamped curve would flatter it).
+When the task profiles carry no curve for some task (profiles measured without ``--heldout``),
+the frontier's own rows stand in: a point's agreement is that of the best measured point of its
+format holding no more neurons (:meth:`MeasuredFrontier.floor`; none below the measured points),
+and min_agreement picks among the measured points that meet it.
 
 Tiered records (a 4-bit pack with an int8 tier): each int8 tier the frontier measured for the
 pack's format is a candidate, at the largest gamma its bytes allow (the int8 tier's records
@@ -32,7 +36,7 @@ from typing import Callable
 
 from ..options import ModelOptions
 from ..selection.profiles import LoadRatioChoice, ProfileCatalog, QualityCurve, with_ci
-from .measured import MeasuredFrontier, tier_key
+from .measured import MeasuredFrontier, MeasuredPoint, tier_key
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class Point:
     speed: float | None = None  # measured decode tok/s of the nearest measured point
     speed_note: str = ""
     int8_ratio: float = 0.0  # the int8 tier's share of each layer's neurons (0: one tier)
+    row: MeasuredPoint | None = None  # frontier row giving the agreement (no task curve covers it)
+    timing: tuple[int, str] | None = None  # (threads, CPU) the measured speed was taken with
 
     def describe(self) -> str:
         tier = f" with an int8 tier of {self.int8_ratio:g}" if self.int8_ratio else ""
@@ -64,6 +70,17 @@ class Point:
                      f"{self.curve.weights or 'float'} curve{fixed})")
         elif self.curve is not None:
             what += f"; no agreement figure (below the {self.task} curve's measured gammas)"
+        elif self.row is not None and self.agreement is not None:
+            r = self.row
+            at = "" if (abs(r.load_ratio - self.load_ratio) < 1e-6 and abs(
+                r.compute_ratio - self.load_ratio * self.share) < 1e-6) else \
+                " (fewer neurons than this point: a floor)"
+            what += (f"; measured agreement with dense {with_ci(self.agreement, r.tokens)} (95 % CI "
+                     f"over {r.tokens} held-out tokens, frontier row {r.weights} "
+                     f"{r.load_ratio:g}/{r.compute_ratio:g}{at}; no quality curve in the "
+                     f"{self.task} profile{'s' if ', ' in self.task else ''})")
+        else:
+            what += "; no agreement figure (no quality curve or measured frontier row holds it)"
         speed = self.speed_note or ("decode speed not measured for this point: `selectinfer "
                                     "frontier` or `selectinfer bench`")
         return (what + f"; {self.resident / 2**20:.0f} MiB of weights, {self.read / 2**20:.0f} MiB "
@@ -102,11 +119,14 @@ def choose_point(opts: ModelOptions, packs: dict[str, str], profiles, log: Calla
         measured = MeasuredFrontier.load(profiles, m.model_id)
         tasks = [opts.task] if opts.task else (catalog.tasks if catalog else [])
         curves = {t: catalog.quality_curve(t, m.weights) for t in tasks} if catalog else {}
-        if target is not None:
-            missing = [t for t, c in curves.items() if c is None] or ([] if curves else ["all"])
-            if missing:
-                reasons.append(f"{weights or m.weights}: no quality curve for {', '.join(missing)}")
-                continue
+        covered = bool(curves) and all(c is not None for c in curves.values())
+        rows = [p for p in (measured.points if measured else [])
+                if p.weights.split("+")[0] == own]  # no curve: the frontier's rows stand in
+        if target is not None and not covered and not rows:
+            missing = [t for t, c in curves.items() if c is None] or ["all"]
+            reasons.append(f"{weights or m.weights}: no quality curve for {', '.join(missing)} "
+                           f"and no measured frontier row")
+            continue
         g_max = 1.0
         if budget is not None:
             try:
@@ -125,20 +145,24 @@ def choose_point(opts: ModelOptions, packs: dict[str, str], profiles, log: Calla
 
         def point(g: float, share: float, r8: float = 0.0) -> Point:
             key = tier_key(own if r8 else m.weights, r8)
-            low = None
-            if curves and all(c is not None for c in curves.values()):
+            low, row = None, None
+            if covered:
                 low = min(((c.expected_agreement(g, g * share) + gap(c, g, share, key), t, c)
                            for t, c in curves.items()), key=lambda x: x[0])
             below = low is not None and g < min(low[2].load_ratios) - 1e-9
+            if not covered and measured:
+                row = measured.floor(tier_key(own, r8), g, g * share)
             near = measured.nearest(tier_key(own, r8), g, g * share) if measured else None
             ffn = layer * g + (hi_layer - layer) * r8  # one layer's resident records
+            agreement = row.agreement if row else None if below or low is None else low[0]
             return Point(weights, path, g, share, int(fixed + sparse * ffn),
-                         int(fixed + sparse * ffn * share),
-                         None if below or low is None else low[0], low[1] if low else "",
+                         int(fixed + sparse * ffn * share), agreement,
+                         low[1] if low else ", ".join(t for t, c in curves.items() if c is None)
+                         or "task",
                          low[2] if low else None, gap(low[2], g, share, key) if low else 0.0,
                          near and near.decode_tokens_per_second,
                          measured.speed_note(tier_key(own, r8), g, g * share) if measured else "",
-                         r8)
+                         r8, row, (near.threads, near.cpu) if near else None)
 
         hi_layer = m.intermediate_size * int8_record_bytes(m.hidden_size) if m.high else layer
         for r8 in (measured.tiers(own) if measured and m.high == "int8" else []):
@@ -156,25 +180,35 @@ def choose_point(opts: ModelOptions, packs: dict[str, str], profiles, log: Calla
 
         for share in shares:
             fitting.append(point(g_max, share))
-            if target is not None:
+            if target is not None and covered:
                 need = max((_smallest_gamma(c, target - gap(c, 1.0, share, m.weights), share) or 2.0)
                            for c in curves.values())
                 if need <= g_max + 1e-9:
                     p = point(need, share)
                     if p.agreement is not None and p.agreement >= target - 1e-6:
                         meeting.append(p)
+        if target is not None and not covered:  # the measured points of this format that meet it
+            for r in rows:
+                share = r.compute_ratio / r.load_ratio
+                if r.int8_ratio == 0 and r.load_ratio <= g_max + 1e-9 and r.agreement >= \
+                        target - 1e-6 and (fixed_share is None or abs(share - fixed_share) < 1e-6):
+                    meeting.append(point(r.load_ratio, share))
     if target is not None and meeting:
-        timed = all(p.speed for p in meeting)  # fastest measured, else fewest bytes read
+        # the fastest measured (speeds taken with one thread count and CPU), else fewest bytes read
+        timed = all(p.speed for p in meeting) and len({p.timing for p in meeting}) == 1
         best = min(meeting, key=lambda p: (-p.speed if timed else p.read, p.resident))
         room = f" (the memory budget would allow up to {g_max_of(fitting, best):.3f})" \
             if budget is not None else ""
+        mixed = "" if timed or not all(p.speed for p in meeting) else \
+            " (the measured speeds differ in threads or CPU: fewest bytes read)"
         return _done(best, "min_agreement", f"min_agreement {target:.2f} -> load_ratio "
-                     f"{best.load_ratio:g}{room}", log)
+                     f"{best.load_ratio:g}{room}{mixed}", log)
     if not fitting:
         raise ValueError("no point to run at: " + "; ".join(reasons))
-    # the best agreement; without curves, compute every loaded neuron (phi = gamma); then fastest
+    # the best agreement; without a figure, compute every loaded neuron (phi = gamma) and hold the
+    # most (more neurons agree more, whatever the records); then the fastest
     best = max(fitting, key=lambda p: (-1.0 if p.agreement is None else p.agreement, p.share,
-                                       p.speed or 0.0, -p.read))
+                                       p.load_ratio, p.speed or 0.0, -p.read))
     if target is not None:
         if budget is None:
             raise ValueError(f"min_agreement {target:.2f}: no load_ratio <= 1 reaches it"

@@ -2,8 +2,9 @@
 profiles as ``frontier.json``. Per records format, gamma and phi: next-token agreement with the
 dense model on one set of held-out tokens (general profile) and decode speed on a named CPU.
 
-The point choice (:mod:`.choice`) reads from it the speed of the point it runs, and the agreement
-gap between a records format without its own task curves and the format whose curve stands in
+The point choice (:mod:`.choice`) reads from it the speed of the point it runs, the agreement of
+a point when the task profiles carry no curve for it (:meth:`MeasuredFrontier.floor`), and the
+agreement gap between a records format without its own task curves and the format whose curve stands in
 (``int8-q4emb`` against ``int8``: what its 4-bit output layer costs at that gamma and phi). A
 tiered row (4-bit records with an int8 tier, ``int8_ratio`` > 0) is a format of its own here,
 keyed ``<weights>+int8:<ratio>`` (:func:`tier_key`); the random-ranking ablation rows are left
@@ -88,6 +89,20 @@ class MeasuredFrontier:
         same = [p for p in self.points if p.weights == weights]
         return min(same, key=lambda p: abs(p.load_ratio - load_ratio)
                    + abs(p.compute_ratio - compute_ratio), default=None)
+
+    def floor(self, weights: str, load_ratio: float, compute_ratio: float
+              ) -> MeasuredPoint | None:
+        """The best measured point of ``weights`` records holding no more neurons than
+        (gamma, phi): agreement rises with both, so its figure is a floor for the point (None when
+        every measured point holds more: an extrapolation would flatter it)."""
+        under = [p for p in self.points if p.weights == weights
+                 and p.load_ratio <= load_ratio + 1e-6 and p.compute_ratio <= compute_ratio + 1e-6]
+        return max(under, key=lambda p: (p.agreement, p.load_ratio, p.compute_ratio),
+                   default=None)
+
+    def of(self, weights: str) -> list[MeasuredPoint]:
+        """The measured points of ``weights`` records (a tier_key)."""
+        return [p for p in self.points if p.weights == weights]
 
     def gap(self, weights: str, other: str, load_ratio: float, compute_ratio: float
             ) -> float | None:

@@ -208,3 +208,34 @@ def test_a_tiered_point_is_chosen_by_its_measured_gap_and_its_bytes(with_tiers):
     # a budget below the tier's bytes: not the tier
     c, log = _choose(packs, d, memory_budget_mb=(plain + 4096) / 2**20)
     assert c.int8_ratio is None
+
+
+def test_without_task_curves_the_frontier_rows_give_the_agreement(with_tiers, tmp_path):
+    """Profiles measured without held-out curves (here: beta's): the frontier's measured rows
+    stand in, each point taking the best row of its format that holds no more neurons."""
+    from selectinfer_ros.core.selection.loader import SelectiveModel
+    packs, d = with_tiers
+    bare = tmp_path / "profiles"
+    shutil.copytree(d, bare)
+    prof = load_profile(bare / "beta.safetensors")
+    for k in [k for k in prof.extra if k.startswith("quality_")]:
+        del prof.extra[k]
+    prof.save(bare / "beta.safetensors")
+    tiered = SelectiveModel(packs["q4"], d, "alpha", int8_ratio=0.3).weight_bytes()["total"]
+    # the budget holds the tier at gamma 1 (row 0.93) and int8 near gamma 0.8 (row 0.8/0.8: 0.85)
+    c, log = _choose(packs, bare, memory_budget_mb=(tiered + 4096) / 2**20)
+    assert c.weights == "q4" and c.int8_ratio == 0.3
+    assert c.expected_agreement == pytest.approx(0.93)
+    assert "frontier row q4+int8:0.3 1/1; no quality curve in the beta profile" in log
+    int8_budget = SelectiveModel(packs["int8"], d, "alpha").weight_bytes()["total"] * 0.75
+    c, log = _choose({"int8": packs["int8"]}, bare, memory_budget_mb=int8_budget / 2**20)
+    assert 0.5 < c.load_ratio < 0.9 and "(fewer neurons than this point: a floor)" in log
+    floor = max(0.95 - (1 - g) / 2 for g in (0.5, 0.6, 0.7, 0.8) if g <= c.load_ratio)
+    assert c.expected_agreement == pytest.approx(floor)
+    # min_agreement: the fastest measured row meeting it (all timed on one CPU and thread count)
+    c, log = _choose(packs, bare, min_agreement=0.9)
+    assert c.weights == "q4" and c.int8_ratio == 0.3 and "measured decode 35.0 tok/s" in log
+    c, log = _choose(packs, bare, min_agreement=0.94)  # only int8 at gamma = phi = 1 holds 0.95
+    assert c.weights == "int8" and c.load_ratio == 1.0 and c.compute_share == 1.0
+    with pytest.raises(ValueError, match="no load_ratio <= 1 reaches it"):
+        _choose(packs, bare, min_agreement=0.99)
