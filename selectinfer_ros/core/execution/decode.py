@@ -484,7 +484,7 @@ class NativeInt8Step:
                 if isinstance(lin, q4.Q4Linear):  # nibbles [n, k / 2], heads [n, ceil(k / 256) * 16]
                     setattr(c, name, native.Mat(w.data_ptr(), None, w.shape[0], lin.in_features,
                                                 w.stride(0), lin.scale.data_ptr(), lin.scale.stride(0),
-                                                bias))
+                                                bias, 2 if lin.interleaved else 0))
                 elif lin.tiled:  # int8 rows as tiles (uint8 [si_tile_bytes]), blocks a tile
                     setattr(c, name, native.Mat(w.data_ptr(), lin.scale.data_ptr(),
                                                 lin.out_features, lin.in_features,

@@ -31,7 +31,7 @@ def source_bytes() -> bytes:
     """Every source file of the library (kernel.c includes the others), for the build's hash."""
     return b"".join(f.name.encode() + f.read_bytes() for f in sorted(SOURCE.parent.iterdir())
                     if f.suffix in (".c", ".h"))
-ABI_VERSION = 17
+ABI_VERSION = 18
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
 # (name, cpuinfo flags it needs, compiler flags), best first, per machine
@@ -62,7 +62,8 @@ class Mat(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("n", ctypes.c_int64),
                 ("k", ctypes.c_int64), ("ldw", ctypes.c_int64), ("d", ctypes.c_void_p),
                 ("ldd", ctypes.c_int64), ("bias", ctypes.c_void_p),  # bias: float32 [n] or None
-                ("tiled", ctypes.c_int64)]  # 1: w holds tiles (si_tile_pack), ldw blocks a tile
+                ("tiled", ctypes.c_int64)]  # 1: w holds tiles (si_tile_pack), ldw blocks a tile;
+    # 2: 4-bit rows interleaved 16 at a time (q4.interleave; d: their heads)
 
 
 class LayerC(ctypes.Structure):
@@ -292,6 +293,10 @@ def _open(out: Path, name: str) -> Kernel:
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                   ctypes.c_void_p, ctypes.c_int]
+    f = lib.si_linear_q4il  # (x, M, K, nibbles, heads, N, y, threads): q4.interleave's layout
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     f = lib.si_axpy_q4
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,

@@ -167,6 +167,62 @@ def linear(x: torch.Tensor, packed: torch.Tensor, heads: torch.Tensor) -> torch.
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
+IL = 16  # rows per interleaved group (kernels/rows_q4il.c)
+IL_PAYS = ("avx512vnni", "avx512bw", "avxvnni", "avx2")  # kernel paths with a vector il_group
+
+
+def interleave(packed: torch.Tensor, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``(nibbles [N, K / 2], heads [N, ceil(K / 256) * 16])`` -> the kernel's interleaved
+    layout (rows_q4il.c): nibbles ``[N / 16, K / 64, 8, 16, 4]`` (group, sub-block pair, chunk,
+    row, byte) as ``[N, K / 2]``, and per group and super-block the heads decoded: d[16],
+    dmin[16] float16, scales [8][16], minimums [8][16] bytes, as ``[N, ceil(K / 256) * 20]``."""
+    N, K = packed.shape[0], packed.shape[1] * 2
+    G, nsb = N // IL, heads.shape[1] // HEAD
+    w = packed.reshape(G, IL, K // 64, 8, 4).permute(0, 2, 3, 1, 4).reshape(N, K // 2)
+    h = heads.reshape(N, nsb, HEAD)
+    dd = h[:, :, :4].contiguous().view(torch.float16).view(G, IL, nsb, 2)
+    ls, lm = unpack_scales(h[:, :, 4:].reshape(N * nsb, 12))
+    sm = torch.stack([ls, lm], 1).to(torch.uint8).view(G, IL, nsb, 2, 8)  # [g, row, s, sc|m, j]
+    d = dd.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(G, nsb, 2 * 2 * IL)
+    out = torch.cat([d, sm.permute(0, 2, 3, 4, 1).reshape(G, nsb, 16 * IL)], 2)
+    return w.contiguous(), out.reshape(N, nsb * 20).contiguous()
+
+
+def interleaved_rows(packed: torch.Tensor, heads: torch.Tensor, ids: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``ids`` of an interleaved matrix (:func:`interleave`) in the row layout (nibbles,
+    heads)."""
+    N, K = packed.shape[0], packed.shape[1] * 2
+    G, nsb = N // IL, heads.shape[1] // 20
+    g, r = ids // IL, ids % IL
+    nib = packed.view(G, K // 64, 8, IL, 4)[g, :, :, r].reshape(-1, K // 2)
+    h = heads.view(G, nsb, 20 * IL)[g]  # [n, nsb, 320]
+    at = torch.arange(len(ids))
+    dd = h[:, :, :4 * IL].contiguous().view(torch.float16).view(-1, nsb, 2, IL)[at, :, :, r]
+    sm = h[:, :, 4 * IL:].reshape(-1, nsb, 2, 8, IL)[at, :, :, :, r].to(torch.int32)  # [n, s, 2, 8]
+    packed_sm = pack_scales(sm[:, :, 0].reshape(-1, 8), sm[:, :, 1].reshape(-1, 8))
+    out = torch.cat([dd.contiguous().view(torch.uint8).reshape(-1, nsb, 4),
+                     packed_sm.view(-1, nsb, 12)], 2)
+    return nib, out.reshape(-1, nsb * HEAD)
+
+
+def interleaved_linear(x: torch.Tensor, packed: torch.Tensor, heads: torch.Tensor
+                       ) -> torch.Tensor:
+    """:func:`linear` over an interleaved matrix (:func:`interleave`; the CPU kernel)."""
+    N, K = packed.shape[0], packed.shape[1] * 2
+    k = _kernel.kernel()
+    x2 = x.reshape(-1, K)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    y = torch.empty(x2.shape[0], N, dtype=torch.float32)
+    rc = k.lib.si_linear_q4il(x2.data_ptr(), x2.shape[0], K, packed.data_ptr(), heads.data_ptr(),
+                              N, y.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("4-bit kernel: out of memory for the quantized activations")
+    y = y.view(*x.shape[:-1], N)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
 class Q4Linear(nn.Module):
     """A linear layer over 4-bit rows (``weight`` uint8 ``[N, K / 2]``, ``scale`` uint8 heads
     ``[N, ceil(K / 256) * 16]``), with an optional float ``bias`` ``[N]`` (Qwen2's q/k/v
@@ -193,8 +249,21 @@ class Q4Linear(nn.Module):
         m.bias = bias
         return m
 
+    interleaved = False  # weight and scale in the kernel's interleaved layout (interleave_)
+
+    def interleave_(self) -> bool:
+        """Hold the rows in the CPU kernel's interleaved layout (:func:`interleave`) where it
+        pays (an x86 vector path, rows a multiple of 16, on the CPU); whether they are."""
+        k = _kernel.kernel() if self.weight.device.type == "cpu" else None
+        if not self.interleaved and k is not None and k.isa in IL_PAYS \
+                and self.out_features % IL == 0 and self.out_features > 0:
+            self.weight, self.scale = interleave(self.weight, self.scale)
+            self.interleaved = True
+        return self.interleaved
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.scale)  # [..., N], a fresh tensor
+        y = (interleaved_linear(x, self.weight, self.scale) if self.interleaved
+             else linear(x, self.weight, self.scale))  # [..., N], a fresh tensor
         return y.add_(self.bias) if self.bias is not None else y
 
 
@@ -216,16 +285,39 @@ class Q4Embedding(nn.Module):
                                                   device=device))
         self.dtype = torch.float32
 
+    interleaved = False  # the rows of an interleaved tied output layer (interleave_q4_layers)
+
     def as_linear(self) -> Q4Linear:
         head = Q4Linear(0, self.embedding_dim, self.weight.device)
         head.out_features, head.weight, head.scale = self.num_embeddings, self.weight, self.scale
+        head.interleaved = self.interleaved
         return head
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [B, T] -> [B, T, H]
         flat = ids.reshape(-1)
-        rows = dequantize(self.weight[flat], self.scale[flat]).to(self.dtype)
+        nib, heads = (interleaved_rows(self.weight, self.scale, flat) if self.interleaved
+                      else (self.weight[flat], self.scale[flat]))
+        rows = dequantize(nib, heads).to(self.dtype)
         rows = rows.view(*ids.shape, self.embedding_dim)
         return rows * self.embed_scale if self.embed_scale is not None else rows
+
+
+def interleave_q4_layers(model: nn.Module) -> int:
+    """Hold every 4-bit linear layer of ``model`` (the attention projections and the output
+    layer; the neuron records stay rows) in the kernel's interleaved layout where it pays
+    (:meth:`Q4Linear.interleave_`), a token embedding tied to the output layer reading its rows
+    back from the same bytes (one copy); the number of layers interleaved. The output layer is
+    the largest product of a decode step (Qwen2.5 1.5B: 131 of ~950 MB)."""
+    emb = model.get_input_embeddings()
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, Q4Linear):
+            rows = mod.weight
+            if mod.interleave_():
+                n += 1
+                if isinstance(emb, Q4Embedding) and emb.weight is rows:
+                    emb.weight, emb.scale, emb.interleaved = mod.weight, mod.scale, True
+    return n
 
 
 def record_parts(rec: torch.Tensor, hidden: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..format.architectures import activation_name, architecture_for
 from ..format.int8 import Int8Embedding, Int8Linear, kernel_status, tile_int8_layers, tiles_pay
-from ..format.q4 import Q4Embedding, Q4Linear
+from ..format.q4 import Q4Embedding, Q4Linear, interleave_q4_layers
 from ..options import COMPUTE_MODES, SELECTIONS, check_ratios
 from ..format.pack import (FFN_FILE, HIGH_FILE, OTHER_FILE, Manifest, check_ffn_file, checksum_error,
                            high_sum_key, int8_record_bytes, int8_record_parts, neuron_key,
@@ -132,6 +132,7 @@ def _load_other(model: nn.Module, config, path: Path, dtype: torch.dtype,
         raise FormatError(f"{path / OTHER_FILE}: missing tensors {missing[:5]}")
     _rebuild_computed_buffers(model, config, device)
     tile_int8_layers(model)
+    interleave_q4_layers(model)
 
 
 def _rebuild_computed_buffers(model: nn.Module, config, device: torch.device) -> None:

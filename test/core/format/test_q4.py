@@ -326,3 +326,65 @@ def test_q4_model_reads_only_its_records_and_switches_like_a_fresh_load(q4_packe
         assert torch.equal(mlp.slot_ids[order], ref.slot_ids[ref_order])
         assert set(mlp.slot_ids[: mlp.n_static].tolist()) == set(ref.slot_ids[: ref.n_static].tolist())
         assert torch.equal(mlp.rec[order], ref.rec[ref_order])
+
+
+@pytest.mark.parametrize("isa", [n for n, _ in kernel.candidates()])
+def test_interleaved_rows_give_the_row_product_on_every_path(isa):
+    """16 rows interleaved (q4.interleave, rows_q4il.c): the product of the row layout to float
+    rounding on every path of this CPU and the plain C one, whole and partial super-blocks,
+    one thread and two; the rows read back exactly."""
+    plain, k = kernel.load(isa="plain"), kernel.load(isa=isa)
+    g = torch.Generator().manual_seed(11)
+    for n, kk, m in [(16, 64, 1), (48, 896, 3), (32, 640, 2), (64, 1536, 1), (160, 2048, 4)]:
+        packed, d = q4.quantize(torch.randn(n, kk, generator=g))
+        wi, hi = q4.interleave(packed, d)
+        assert wi.shape == packed.shape and hi.shape == (n, -(-kk // 256) * 20)
+        x = torch.randn(m, kk, generator=g)
+        want = torch.empty(m, n)
+        assert plain.lib.si_linear_q4(x.data_ptr(), m, kk, packed.data_ptr(), d.data_ptr(), n,
+                                      packed.stride(0), d.stride(0), want.data_ptr(), 1) == 0
+        for lib, threads in ((plain, 1), (k, 1), (k, 2)):
+            y = torch.empty(m, n)
+            assert lib.lib.si_linear_q4il(x.data_ptr(), m, kk, wi.data_ptr(), hi.data_ptr(), n,
+                                          y.data_ptr(), threads) == 0
+            assert torch.allclose(y, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())), \
+                (n, kk, lib.isa, threads)
+        ids = torch.tensor([0, n - 1, 5, 15, n // 2])
+        nib, heads = q4.interleaved_rows(wi, hi, ids)
+        assert torch.equal(nib, packed[ids]) and torch.equal(heads, d[ids])
+        y = torch.empty(1, 24)
+        assert k.lib.si_linear_q4il(x.data_ptr(), 1, kk, wi.data_ptr(), hi.data_ptr(), 24,
+                                    y.data_ptr(), 1) == -2  # not a whole number of groups
+
+
+def test_interleaved_output_layer_and_its_tied_embedding_keep_their_results():
+    """interleave_q4_layers: the output layer interleaved where the CPU pays for it, one copy
+    shared with the tied embedding (whose rows read back exactly), the same logits to float
+    rounding; rows not a multiple of 16 stay rows; a second call changes nothing."""
+    g = torch.Generator().manual_seed(5)
+    emb = q4.Q4Embedding(1024, 256, embed_scale=2.0)
+    emb.weight, emb.scale = q4.quantize(torch.randn(1024, 256, generator=g))
+    odd = q4.Q4Linear.from_float(torch.randn(40, 256, generator=g))
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head, self.odd = emb, emb.as_linear(), odd
+
+        def get_input_embeddings(self):
+            return self.emb
+
+    model = Tied()
+    ids = torch.tensor([[0, 1023, 17], [5, 5, 400]])
+    xs = [torch.randn(1, 1, 256, generator=g), torch.randn(2, 7, 256, generator=g)]
+    rows, logits, odd_y = emb(ids), [model.head(x) for x in xs], odd(xs[0])
+    pays = kernel.kernel() is not None and kernel.kernel().isa in q4.IL_PAYS
+    assert q4.interleave_q4_layers(model) == int(pays)
+    assert model.head.interleaved == emb.interleaved == pays and not odd.interleaved
+    assert emb.weight is model.head.weight and emb.scale is model.head.scale
+    assert torch.equal(emb(ids), rows) and torch.equal(odd(xs[0]), odd_y)
+    for x, want in zip(xs, logits):
+        got = model.head(x)
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert q4.interleave_q4_layers(model) == int(pays) and emb.weight is model.head.weight

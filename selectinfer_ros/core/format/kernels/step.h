@@ -46,7 +46,8 @@ typedef struct {
     const uint8_t *d; /* 4-bit rows: heads [n, ceil(k / 256) * 16] at row stride ldd (bytes) */
     int64_t ldd;
     const float *bias; /* [n]; NULL: none (Qwen2's q/k/v projections have one) */
-    int64_t tiled;     /* 1: w holds int8 rows as tiles (si_tile_pack), ldw blocks a tile */
+    int64_t tiled;     /* 1: w holds int8 rows as tiles (si_tile_pack), ldw blocks a tile; 2: w
+                          4-bit rows interleaved 16 at a time, d their heads (rows_q4il.c) */
 } si_mat;
 
 typedef struct {
@@ -184,7 +185,7 @@ static inline int m_prep(const si_model *R) { return R[0].prep != NULL; }
 static void gemv_rows(const si_mat *mt, const si_model *R, int64_t B, const float *x, int64_t ldx,
                       float *y, int64_t ldy, int t, int nt) {
     int64_t n0, n1;
-    if (mt->tiled) { /* whole tiles per member; every row of the batch over each */
+    if (mt->tiled == 1) { /* whole tiles per member; every row of the batch over each */
         share((mt->n + TR - 1) / TR, t, nt, &n0, &n1);
         tiles_rows((const uint8_t *)mt->w, mt->k, mt->ldw, mt->n, B, x, ldx, R[0].xq, R[0].xd,
                    R[0].xs, xq_stride(R), xd_stride(R), mt->scale, y, ldy, n0, n1);
@@ -192,6 +193,20 @@ static void gemv_rows(const si_mat *mt, const si_model *R, int64_t B, const floa
             for (int64_t b = 0; b < B; b++)
                 for (int64_t n = n0 * TR; n < n1 * TR && n < mt->n; n++)
                     y[b * ldy + n] += mt->bias[n];
+        return;
+    }
+    if (mt->tiled == 2) { /* 4-bit groups of 16 rows per member; every row of the batch over each */
+        share(mt->n / IL, t, nt, &n0, &n1);
+        const uint8_t *w = (const uint8_t *)mt->w;
+        int64_t hb = il_head_bytes(mt->k);
+        float out[IL];
+        for (int64_t g = n0; g < n1; g++)
+            for (int64_t b = 0; b < B; b++) {
+                const si_model *r = &R[b];
+                il_group(w + g * IL * (mt->k / 2), mt->d + g * hb, mt->k, r->xq, r->xd, r->xs, out);
+                for (int i = 0; i < IL; i++)
+                    y[b * ldy + g * IL + i] = out[i] + (mt->bias ? mt->bias[g * IL + i] : 0.0f);
+            }
         return;
     }
     share(mt->n, t, nt, &n0, &n1);

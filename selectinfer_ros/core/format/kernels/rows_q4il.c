@@ -1,0 +1,199 @@
+/* 4-bit rows interleaved 16 at a time: the dense 4-bit matrices (the output layer, the attention
+   projections) read whole every token. Part of kernel.c.
+
+   The row product (q4_row) reduces eight vectors across their lanes per super-block and row: it
+   runs at ~20 GB/s from the cache, about the memory's speed, so memory and arithmetic do not
+   overlap (~13 GB/s from memory, Zen 4, one thread). Here a group of 16 rows is one stream: per
+   super-block s and sub-block pair p (sub-blocks 2p, 2p + 1: a row's 32 bytes 32 p .. 32 p + 31
+   of the super-block's nibbles, as q4_row reads them), 8 chunks c of 64 bytes, 4 bytes of each row
+   (row r at 4 r: its bytes 32 p + 4 c .. + 3). One activation word (4 int8) broadcast against a
+   chunk gives 16 rows' partial sums in 16 lanes: no reduction across lanes, ~3x fewer
+   instructions (llama.cpp's repacked Q4_K rows are the same idea). A group's super-block takes
+   16 x 128 bytes (a last partial one 16 x its rows' bytes): the group holds its 16 rows' bytes,
+   at the same place.
+
+   Heads, decoded at load, per group and super-block (IL_HEAD bytes): d[16], dmin[16] (float16),
+   then sc[8][16] and m[8][16] (the 6-bit scales and minimums of sub-block j, row r at [j][r]).
+
+     y[r] = sum_s d[r] sum_j xd[j] sc[j][r] sum_i q[r, i] xq[i] - dmin[r] sum_j xd[j] xs[j] m[j][r]
+
+   The same sums as q4_row, in another order: the results agree to float rounding. */
+#define IL 16                  /* rows per group */
+#define IL_HEAD (IL * (4 + 16)) /* head bytes per group and super-block */
+
+/* Head bytes of a group over K columns. */
+static inline int64_t il_head_bytes(int64_t K) { return (K + Q4_SB - 1) / Q4_SB * IL_HEAD; }
+
+/* y[0, 16) = the group's rows (w: nibbles, h: heads) against one activation row (xq, xd, xs as
+   quantize_blocks makes them, K columns). */
+static void il_group(const uint8_t *w, const uint8_t *h, int64_t K, const int8_t *xq,
+                     const float *xd, const int32_t *xs, float *y) {
+    int64_t ns = (K + Q4_SB - 1) / Q4_SB, pairs = K / (2 * QK);
+#if defined(SI_AVX512)
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t s = 0; s < ns; s++, h += IL_HEAD) {
+        int64_t np = pairs - 4 * s < 4 ? pairs - 4 * s : 4;
+        const uint8_t *ws = w + s * IL * (Q4_SB / 2);
+        __m512 sacc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
+        for (int64_t p = 0; p < np; p++) {
+            const int8_t *x0 = xq + s * Q4_SB + 64 * p, *x1 = x0 + QK; /* sub-blocks 2p, 2p + 1 */
+            __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;
+            for (int c = 0; c < 8; c += 2) {
+                __m512i r0 = _mm512_loadu_si512(ws + (p * 8 + c) * 64);
+                __m512i r1 = _mm512_loadu_si512(ws + (p * 8 + c + 1) * 64);
+                int32_t v[4];
+                memcpy(v, x0 + 4 * c, 8);
+                memcpy(v + 2, x1 + 4 * c, 8);
+                __m512i l0 = _mm512_and_si512(r0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), low);
+                __m512i l1 = _mm512_and_si512(r1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), low);
+#if defined(SI_VNNI512)
+                a0 = _mm512_dpbusd_epi32(a0, l0, _mm512_set1_epi32(v[0]));
+                a1 = _mm512_dpbusd_epi32(a1, l1, _mm512_set1_epi32(v[1]));
+                b0 = _mm512_dpbusd_epi32(b0, h0, _mm512_set1_epi32(v[2]));
+                b1 = _mm512_dpbusd_epi32(b1, h1, _mm512_set1_epi32(v[3]));
+#else
+                const __m512i one = _mm512_set1_epi16(1);
+                a0 = _mm512_add_epi32(a0, _mm512_madd_epi16(_mm512_maddubs_epi16(l0, _mm512_set1_epi32(v[0])), one));
+                a1 = _mm512_add_epi32(a1, _mm512_madd_epi16(_mm512_maddubs_epi16(l1, _mm512_set1_epi32(v[1])), one));
+                b0 = _mm512_add_epi32(b0, _mm512_madd_epi16(_mm512_maddubs_epi16(h0, _mm512_set1_epi32(v[2])), one));
+                b1 = _mm512_add_epi32(b1, _mm512_madd_epi16(_mm512_maddubs_epi16(h1, _mm512_set1_epi32(v[3])), one));
+#endif
+            }
+            int64_t j0 = 8 * s + 2 * p;
+            const uint8_t *sc = h + 64 + 2 * p * IL, *mn = h + 64 + 8 * IL + 2 * p * IL;
+            __m512 s0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sc)));
+            __m512 s1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + IL))));
+            __m512 m0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)mn)));
+            __m512 m1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mn + IL))));
+            sacc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), s0),
+                                   _mm512_set1_ps(xd[j0]), sacc);
+            sacc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)), s1),
+                                   _mm512_set1_ps(xd[j0 + 1]), sacc);
+            macc = _mm512_fmadd_ps(m0, _mm512_set1_ps(xd[j0] * (float)xs[j0]), macc);
+            macc = _mm512_fmadd_ps(m1, _mm512_set1_ps(xd[j0 + 1] * (float)xs[j0 + 1]), macc);
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+        __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 2 * IL)));
+        acc = _mm512_fnmadd_ps(macc, dm, _mm512_fmadd_ps(sacc, d, acc));
+    }
+    _mm512_storeu_ps(y, acc);
+#elif defined(SI_AVX2)
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int half = 0; half < 2; half++) { /* rows 8 half .. 8 half + 7: 32 bytes of each chunk */
+        __m256 acc = _mm256_setzero_ps();
+        const uint8_t *hh = h;
+        for (int64_t s = 0; s < ns; s++, hh += IL_HEAD) {
+            int64_t np = pairs - 4 * s < 4 ? pairs - 4 * s : 4;
+            const uint8_t *ws = w + s * IL * (Q4_SB / 2) + 32 * half;
+            __m256 sacc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+            for (int64_t p = 0; p < np; p++) {
+                const int8_t *x0 = xq + s * Q4_SB + 64 * p, *x1 = x0 + QK;
+                __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0;
+                for (int c = 0; c < 8; c += 2) {
+                    __m256i r0 = _mm256_loadu_si256((const __m256i *)(ws + (p * 8 + c) * 64));
+                    __m256i r1 = _mm256_loadu_si256((const __m256i *)(ws + (p * 8 + c + 1) * 64));
+                    int32_t v[4];
+                    memcpy(v, x0 + 4 * c, 8);
+                    memcpy(v + 2, x1 + 4 * c, 8);
+                    __m256i l0 = _mm256_and_si256(r0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), low);
+                    __m256i l1 = _mm256_and_si256(r1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), low);
+#if defined(SI_AVXVNNI)
+                    a0 = _mm256_dpbusd_avx_epi32(a0, l0, _mm256_set1_epi32(v[0]));
+                    a1 = _mm256_dpbusd_avx_epi32(a1, l1, _mm256_set1_epi32(v[1]));
+                    b0 = _mm256_dpbusd_avx_epi32(b0, h0, _mm256_set1_epi32(v[2]));
+                    b1 = _mm256_dpbusd_avx_epi32(b1, h1, _mm256_set1_epi32(v[3]));
+#else
+                    const __m256i one = _mm256_set1_epi16(1);
+                    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_maddubs_epi16(l0, _mm256_set1_epi32(v[0])), one));
+                    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_maddubs_epi16(l1, _mm256_set1_epi32(v[1])), one));
+                    b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(_mm256_maddubs_epi16(h0, _mm256_set1_epi32(v[2])), one));
+                    b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(_mm256_maddubs_epi16(h1, _mm256_set1_epi32(v[3])), one));
+#endif
+                }
+                int64_t j0 = 8 * s + 2 * p;
+                const uint8_t *sc = hh + 64 + 2 * p * IL + 8 * half, *mn = sc + 8 * IL;
+                __m256 s0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+                __m256 s1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + IL))));
+                __m256 m0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
+                __m256 m1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + IL))));
+                sacc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)), s0),
+                                       _mm256_set1_ps(xd[j0]), sacc);
+                sacc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(b0, b1)), s1),
+                                       _mm256_set1_ps(xd[j0 + 1]), sacc);
+                macc = _mm256_fmadd_ps(m0, _mm256_set1_ps(xd[j0] * (float)xs[j0]), macc);
+                macc = _mm256_fmadd_ps(m1, _mm256_set1_ps(xd[j0 + 1] * (float)xs[j0 + 1]), macc);
+            }
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hh + 16 * half)));
+            __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hh + 2 * IL + 16 * half)));
+            acc = _mm256_fnmadd_ps(macc, dm, _mm256_fmadd_ps(sacc, d, acc));
+        }
+        _mm256_storeu_ps(y + 8 * half, acc);
+    }
+#else
+    for (int r = 0; r < IL; r++) y[r] = 0.0f;
+    for (int64_t s = 0; s < ns; s++, h += IL_HEAD) {
+        int64_t np = pairs - 4 * s < 4 ? pairs - 4 * s : 4;
+        const uint8_t *ws = w + s * IL * (Q4_SB / 2);
+        for (int r = 0; r < IL; r++) {
+            float sacc = 0.0f, macc = 0.0f;
+            uint16_t hd16[2];
+            memcpy(hd16, h + 2 * r, 2);
+            memcpy(hd16 + 1, h + 2 * IL + 2 * r, 2);
+            for (int64_t p = 0; p < np; p++) {
+                const int8_t *x0 = xq + s * Q4_SB + 64 * p, *x1 = x0 + QK;
+                int32_t a = 0, b = 0;
+                for (int c = 0; c < 8; c++)
+                    for (int i = 0; i < 4; i++) {
+                        uint8_t q = ws[(p * 8 + c) * 64 + 4 * r + i];
+                        a += (int32_t)(q & 15) * x0[4 * c + i];
+                        b += (int32_t)(q >> 4) * x1[4 * c + i];
+                    }
+                int64_t j0 = 8 * s + 2 * p;
+                const uint8_t *sc = h + 64 + 2 * p * IL, *mn = sc + 8 * IL;
+                sacc += (float)a * (float)sc[r] * xd[j0] + (float)b * (float)sc[IL + r] * xd[j0 + 1];
+                macc += (float)mn[r] * (xd[j0] * (float)xs[j0]) +
+                        (float)mn[IL + r] * (xd[j0 + 1] * (float)xs[j0 + 1]);
+            }
+            y[r] += sacc * half_to_float(hd16[0]) - macc * half_to_float(hd16[1]);
+        }
+    }
+#endif
+}
+
+/* y [M, N] = x [M, K] . W^T over an interleaved 4-bit matrix (w: its N / 16 groups of nibbles,
+   16 * K / 2 bytes each; h: their heads, il_head_bytes(K) each); threads split the groups.
+   N a multiple of 16; -1: out of memory, -2: a bad shape. */
+int si_linear_q4il(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint8_t *h,
+                   int64_t N, float *y, int threads) {
+    if (K % (2 * QK) || N % IL) return -2;
+    int64_t nb = K / QK, G = N / IL, hb = il_head_bytes(K);
+    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * nb * QK + 63) / 64 * 64));
+    float *xd = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    int32_t *xs = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
+    if (!xq || !xd || !xs) {
+        free(xq);
+        free(xd);
+        free(xs);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++)
+        quantize_blocks(x + m * K, K, 0, nb, xq + m * nb * QK, xd + m * nb, xs + m * nb);
+    threads = clamp_threads(threads);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t g0, g1;
+        share(G, team_id(), team_size(), &g0, &g1);
+        float out[IL];
+        for (int64_t g = g0; g < g1; g++)
+            for (int64_t m = 0; m < M; m++) {
+                il_group(w + g * IL * (K / 2), h + g * hb, K, xq + m * nb * QK, xd + m * nb,
+                         xs + m * nb, out);
+                memcpy(y + m * N + g * IL, out, sizeof out);
+            }
+    }
+    free(xq);
+    free(xd);
+    free(xs);
+    return 0;
+}
