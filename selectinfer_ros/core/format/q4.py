@@ -168,6 +168,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, heads: torch.Tensor) -> torch.
 
 
 IL = 16  # rows per interleaved group (kernels/rows_q4il.c)
+IL_HEAD_ROW = 20  # interleaved head bytes per row and super-block (HEAD in the row layout)
 IL_PAYS = ("avx512vnni", "avx512bw", "avxvnni", "avx2")  # kernel paths with a vector il_group
 
 
@@ -185,7 +186,7 @@ def interleave(packed: torch.Tensor, heads: torch.Tensor) -> tuple[torch.Tensor,
     sm = torch.stack([ls, lm], 1).to(torch.uint8).view(G, IL, nsb, 2, 8)  # [g, row, s, sc|m, j]
     d = dd.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(G, nsb, 2 * 2 * IL)
     out = torch.cat([d, sm.permute(0, 2, 3, 4, 1).reshape(G, nsb, 16 * IL)], 2)
-    return w.contiguous(), out.reshape(N, nsb * 20).contiguous()
+    return w.contiguous(), out.reshape(N, nsb * IL_HEAD_ROW).contiguous()
 
 
 def interleaved_rows(packed: torch.Tensor, heads: torch.Tensor, ids: torch.Tensor
@@ -193,10 +194,10 @@ def interleaved_rows(packed: torch.Tensor, heads: torch.Tensor, ids: torch.Tenso
     """Rows ``ids`` of an interleaved matrix (:func:`interleave`) in the row layout (nibbles,
     heads)."""
     N, K = packed.shape[0], packed.shape[1] * 2
-    G, nsb = N // IL, heads.shape[1] // 20
+    G, nsb = N // IL, heads.shape[1] // IL_HEAD_ROW
     g, r = ids // IL, ids % IL
     nib = packed.view(G, K // 64, 8, IL, 4)[g, :, :, r].reshape(-1, K // 2)
-    h = heads.view(G, nsb, 20 * IL)[g]  # [n, nsb, 320]
+    h = heads.view(G, nsb, IL_HEAD_ROW * IL)[g]  # [n, nsb, 320]
     at = torch.arange(len(ids))
     dd = h[:, :, :4 * IL].contiguous().view(torch.float16).view(-1, nsb, 2, IL)[at, :, :, r]
     sm = h[:, :, 4 * IL:].reshape(-1, nsb, 2, 8, IL)[at, :, :, :, r].to(torch.int32)  # [n, s, 2, 8]

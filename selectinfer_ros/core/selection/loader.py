@@ -18,6 +18,7 @@ from torch import nn
 
 from ..format.architectures import activation_name, architecture_for
 from ..format.int8 import Int8Embedding, Int8Linear, kernel_status, tile_int8_layers, tiles_pay
+from ..format import q4
 from ..format.q4 import Q4Embedding, Q4Linear, interleave_q4_layers
 from ..options import COMPUTE_MODES, SELECTIONS, check_ratios
 from ..format.pack import (FFN_FILE, HIGH_FILE, OTHER_FILE, Manifest, check_ffn_file, checksum_error,
@@ -628,10 +629,19 @@ def dense_layer_count(num_layers: int, dense_layers: int) -> int:
 
 def other_bytes_estimate(m: Manifest, dtype: torch.dtype) -> int:
     """Resident bytes of the non-FFN tensors of a packed model in ``dtype`` (int8 rows and their
-    scales as stored)."""
+    scales as stored; the heads of 4-bit layers as the CPU's interleaved layout holds them, at
+    most, :func:`..format.q4.interleave`)."""
     tensors, _, _ = read_header(m.path / OTHER_FILE)
-    return sum(t.nbytes if t.dtype in (torch.int8, torch.uint8) or name.endswith(".scale") else
-               t.nbytes // t.dtype.itemsize * dtype.itemsize for name, t in tensors.items())
+    tied = "lm_head.weight" not in tensors
+
+    def resident(name: str, t) -> int:
+        if t.dtype == torch.uint8 and name.endswith(".scale") and t.shape[0] % q4.IL == 0 \
+                and (tied or "embed_tokens" not in name):  # 4-bit heads: 20 bytes of 16
+            return t.nbytes // q4.HEAD * q4.IL_HEAD_ROW
+        if t.dtype in (torch.int8, torch.uint8) or name.endswith(".scale"):
+            return t.nbytes
+        return t.nbytes // t.dtype.itemsize * dtype.itemsize
+    return sum(resident(name, t) for name, t in tensors.items())
 
 
 def neuron_bytes(m: Manifest, dtype: torch.dtype) -> int:
