@@ -86,6 +86,35 @@ static void quantize_blocks(const float *x, int64_t K, int64_t b0, int64_t b1, i
     }
 }
 
+/* M activation rows x [M, K] quantized per block (quantize_blocks), for the products that take
+   float rows: xq [M, nb * QK], xd and xs [M, nb], nb = ceil(K / QK). */
+typedef struct {
+    int8_t *xq;
+    float *xd;
+    int32_t *xs;
+} si_qrows;
+
+static void free_qrows(si_qrows *q) {
+    free(q->xq);
+    free(q->xd);
+    free(q->xs);
+}
+
+/* 0, or -1 out of memory (nothing held). */
+static int quantize_rows(const float *x, int64_t M, int64_t K, si_qrows *q) {
+    int64_t nb = (K + QK - 1) / QK;
+    q->xq = (int8_t *)aligned_alloc(64, (size_t)((M * nb * QK + 63) / 64 * 64));
+    q->xd = (float *)malloc((size_t)(M * nb) * sizeof(float));
+    q->xs = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
+    if (!q->xq || !q->xd || !q->xs) {
+        free_qrows(q);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++)
+        quantize_blocks(x + m * K, K, 0, nb, q->xq + m * nb * QK, q->xd + m * nb, q->xs + m * nb);
+    return 0;
+}
+
 /* x [K] -> xq [nb * QK] int8 (zero padded), xd [nb] block scales; nb = ceil(K / QK). */
 static void quantize_row(const float *x, int64_t K, int8_t *xq, float *xd) {
     quantize_blocks(x, K, 0, (K + QK - 1) / QK, xq, xd, NULL);

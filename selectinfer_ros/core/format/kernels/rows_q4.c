@@ -246,17 +246,11 @@ int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const u
                  int64_t N, int64_t ldw, int64_t ldh, float *y, int threads) {
     if (K % (2 * QK)) return -2;
     int64_t nb = K / QK;
-    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * nb * QK + 63) / 64 * 64));
-    float *xd = (float *)malloc((size_t)(M * nb) * sizeof(float));
-    int32_t *xs = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
-    if (!xq || !xd || !xs) {
-        free(xq);
-        free(xd);
-        free(xs);
-        return -1;
-    }
-    for (int64_t m = 0; m < M; m++)
-        quantize_blocks(x + m * K, K, 0, nb, xq + m * nb * QK, xd + m * nb, xs + m * nb);
+    si_qrows q;
+    if (quantize_rows(x, M, K, &q)) return -1;
+    const int8_t *xq = q.xq;
+    const float *xd = q.xd;
+    const int32_t *xs = q.xs;
     threads = clamp_threads(threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -268,9 +262,7 @@ int si_linear_q4(const float *x, int64_t M, int64_t K, const uint8_t *w, const u
                              xq + m * nb * QK, nb * QK, xd + m * nb, xs + m * nb, nb, y + m * N + n,
                              N);
     }
-    free(xq);
-    free(xd);
-    free(xs);
+    free_qrows(&q);
     return 0;
 }
 

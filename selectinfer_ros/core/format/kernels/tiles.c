@@ -343,17 +343,11 @@ int si_tile_linear(const float *x, int64_t M, int64_t K, const uint8_t *pk, int6
                    int64_t ldk, const float *scale, float *y, int threads) {
     const int64_t nb = (K + QK - 1) / QK, nbs = (ldk + QK - 1) / QK, nt = (N + TR - 1) / TR;
     if (K > ldk) return -2;
-    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * nb * QK + 63) / 64 * 64));
-    float *xd = (float *)malloc((size_t)(M * nb) * sizeof(float));
-    int32_t *xs = (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t));
-    if (!xq || !xd || !xs) {
-        free(xq);
-        free(xd);
-        free(xs);
-        return -1;
-    }
-    for (int64_t m = 0; m < M; m++)
-        quantize_blocks(x + m * K, K, 0, nb, xq + m * nb * QK, xd + m * nb, xs + m * nb);
+    si_qrows q;
+    if (quantize_rows(x, M, K, &q)) return -1;
+    const int8_t *xq = q.xq;
+    const float *xd = q.xd;
+    const int32_t *xs = q.xs;
     threads = clamp_threads(threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -361,8 +355,6 @@ int si_tile_linear(const float *x, int64_t M, int64_t K, const uint8_t *pk, int6
         share(nt, team_id(), team_size(), &t0, &t1);
         tiles_rows(pk, K, nbs, N, M, x, K, xq, xd, xs, nb * QK, nb, scale, y, N, t0, t1);
     }
-    free(xq);
-    free(xd);
-    free(xs);
+    free_qrows(&q);
     return 0;
 }
