@@ -389,6 +389,86 @@ static void down_coeffs(const float *a, const uint8_t *hd, int64_t ldh, const in
     quant_coeffs(D, Mt, G, nbc, cq, s, cs, kb);
 }
 
+#if defined(SI_VNNI512) || defined(SI_AVXVNNI)
+static inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
+#if defined(SI_VNNI512)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+
+/* axpy_q4_group's sums with the dot-product instruction: four rows at a time (a quad), their
+   bytes at each position interleaved into 32-bit lanes (two byte and two word unpacks), times
+   the quad's four int8 coefficients of the sub-block broadcast: each lane sums four rows, no
+   widening to 16 bits and no multiply per row (~2x fewer instructions). The integer sums are
+   exact (int32; the 16-bit path's wrap-around gives the same values), so y is the same to the
+   bit. Rows past G take coefficient 0. */
+static void axpy_q4_quads(const uint8_t *const *wr, int64_t G, const int16_t *cq,
+                          const float *s, const int32_t *cs, const float *kb, int64_t bc,
+                          int64_t nbc, float *y, const uint8_t *pf, const uint8_t *hd,
+                          int64_t ldw, int64_t ldh, const int32_t *idx, int64_t g0, int64_t k) {
+    enum { NQ = DG / 4 };
+    int32_t cw[NQ * DB]; /* quad m's coefficient word of sub-block bc + j at [m * DB + j] */
+    const uint8_t *rows[DG];
+    const __m256i pair = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                          0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    int64_t nq = (G + 3) / 4;
+    for (int64_t i = 0; i < 4 * nq; i++) rows[i] = wr[i < G ? i : 0];
+    for (int64_t m = 0; m < nq; m++)
+        for (int64_t j = 0; j < nbc; j += 16) { /* rows 4m .. 4m + 3, sub-blocks j .. j + 15 */
+            __m256i r[4];
+            for (int q = 0; q < 4; q++)
+                r[q] = 4 * m + q < G ? _mm256_loadu_si256((const __m256i *)(cq + (4 * m + q) * DB + j))
+                                     : _mm256_setzero_si256();
+            __m256i p01 = _mm256_shuffle_epi8(_mm256_packs_epi16(r[0], r[1]), pair);
+            __m256i p23 = _mm256_shuffle_epi8(_mm256_packs_epi16(r[2], r[3]), pair);
+            __m256i v0 = _mm256_unpacklo_epi16(p01, p23), v1 = _mm256_unpackhi_epi16(p01, p23);
+            _mm256_storeu_si256((__m256i *)(cw + m * DB + j), _mm256_permute2x128_si256(v0, v1, 0x20));
+            _mm256_storeu_si256((__m256i *)(cw + m * DB + j + 8), _mm256_permute2x128_si256(v0, v1, 0x31));
+        }
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t b = bc; b < bc + nbc; b += 2) { /* sub-blocks b (low nibbles), b + 1 (high) */
+        __m256i lo[4], hi[4]; /* lane l of [t]: positions 4t + l (l < 4), 16 + 4t + l - 4 */
+        for (int t = 0; t < 4; t++) lo[t] = hi[t] = _mm256_setzero_si256();
+        for (int64_t m = 0; m < nq; m++) {
+            if (pf)
+                for (int q = 0; q < 4; q++)
+                    prefetch_column(pf, hd, ldw, ldh, idx, g0 + 4 * m + q + DG, k, b);
+            __m256i A = _mm256_loadu_si256((const __m256i *)(rows[4 * m] + b * 16));
+            __m256i B = _mm256_loadu_si256((const __m256i *)(rows[4 * m + 1] + b * 16));
+            __m256i C = _mm256_loadu_si256((const __m256i *)(rows[4 * m + 2] + b * 16));
+            __m256i D = _mm256_loadu_si256((const __m256i *)(rows[4 * m + 3] + b * 16));
+            __m256i ab0 = _mm256_unpacklo_epi8(A, B), ab1 = _mm256_unpackhi_epi8(A, B);
+            __m256i cd0 = _mm256_unpacklo_epi8(C, D), cd1 = _mm256_unpackhi_epi8(C, D);
+            __m256i q4[4] = {_mm256_unpacklo_epi16(ab0, cd0), _mm256_unpackhi_epi16(ab0, cd0),
+                             _mm256_unpacklo_epi16(ab1, cd1), _mm256_unpackhi_epi16(ab1, cd1)};
+            __m256i c0 = _mm256_set1_epi32(cw[m * DB + (b - bc)]);
+            __m256i c1 = _mm256_set1_epi32(cw[m * DB + (b - bc) + 1]);
+            for (int t = 0; t < 4; t++) {
+                lo[t] = dpbusd256(lo[t], _mm256_and_si256(q4[t], low), c0);
+                hi[t] = dpbusd256(hi[t], _mm256_and_si256(_mm256_srli_epi16(q4[t], 4), low), c1);
+            }
+        }
+        float *yb = y + b * QK;
+        for (int h = 0; h < 2; h++) { /* the sums of q c less 8 cs: those of (q - 8) c */
+            const __m256i *a = h ? hi : lo;
+            __m256i off = _mm256_set1_epi32(8 * cs[b - bc + h]);
+            __m256 sc = _mm256_set1_ps(s[b - bc + h]), kc = _mm256_set1_ps(kb[b - bc + h]);
+            __m256i v[4] = {_mm256_permute2x128_si256(a[0], a[1], 0x20),  /* positions 0-7 */
+                            _mm256_permute2x128_si256(a[2], a[3], 0x20),  /* 8-15 */
+                            _mm256_permute2x128_si256(a[0], a[1], 0x31),  /* 16-23 */
+                            _mm256_permute2x128_si256(a[2], a[3], 0x31)}; /* 24-31 */
+            for (int j = 0; j < 4; j++) {
+                float *yo = yb + h * QK + 8 * j;
+                __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(v[j], off));
+                _mm256_storeu_ps(yo, _mm256_fmadd_ps(f, sc, _mm256_add_ps(_mm256_loadu_ps(yo), kc)));
+            }
+        }
+    }
+}
+#endif
+
 /* y[sub-blocks bc .. bc + nbc) += the group's G rows wr[i] (nibbles, from sub-block 0) times
    their coefficients (down_coeffs); pf: the next group's columns are fetched meanwhile
    (prefetch_column with the list, from entry g0 + DG), NULL when its rows are near already. */
@@ -396,6 +476,9 @@ static void axpy_q4_group(const uint8_t *const *wr, int64_t G, const int16_t *cq
                           const float *s, const int32_t *cs, const float *kb, int64_t bc,
                           int64_t nbc, float *y, const uint8_t *pf, const uint8_t *hd,
                           int64_t ldw, int64_t ldh, const int32_t *idx, int64_t g0, int64_t k) {
+#if defined(SI_VNNI512) || defined(SI_AVXVNNI)
+    axpy_q4_quads(wr, G, cq, s, cs, kb, bc, nbc, y, pf, hd, ldw, ldh, idx, g0, k);
+#else
     for (int64_t b = bc; b < bc + nbc; b += 2) { /* sub-blocks b (low nibbles), b + 1 (high) */
         float *yb = y + b * QK;
         const int16_t *cb = cq + (b - bc);
@@ -492,6 +575,7 @@ static void axpy_q4_group(const uint8_t *const *wr, int64_t G, const int16_t *cq
         for (int j = 0; j < QK; j++) yb[QK + j] += s1 * (float)acc[QK + j] + k1;
 #endif
     }
+#endif
 }
 
 /* The heads of list entries [g0, g0 + G) for sub-blocks [bc, bc + nbc), decoded once for several
