@@ -61,14 +61,21 @@ static inline void q4_head(const uint8_t *h, float *d, float *dmin, uint8_t sm[1
 }
 
 #if defined(SI_AVX2) || defined(SI_AVX512)
-/* The same in a register: bytes 0-7 the scales, 8-15 the minimums (no round trip through memory,
-   whose narrower stores a wider load could not forward). */
+/* The same in a register: bytes 0-7 the scales, 8-15 the minimums, from one load and two byte
+   shuffles (q: the 12 packed bytes; sc[0..3] = q[0..3] & 63, sc[4..7] = q[8..11] & 15 | q[0..3]
+   >> 6 << 4, m[0..3] = q[4..7] & 63, m[4..7] = q[8..11] >> 4 | q[4..7] >> 6 << 4), no round trip
+   through memory (whose narrower stores a wider load could not forward). */
 static inline __m128i q4_head_vec(const uint8_t *h) {
-    uint32_t u[3];
-    memcpy(u, h + 4, 12);
-    const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
-    return _mm_set_epi32((int)(((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4)), (int)(u[1] & k1),
-                         (int)((u[2] & k2) | (((u[0] >> 6) & k3) << 4)), (int)(u[0] & k1));
+    const __m128i v = _mm_loadu_si128((const __m128i *)h);
+    const __m128i x = _mm_shuffle_epi8(v, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11,
+                                                        12, 13, 14, 15));
+    const __m128i t = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1,
+                                                        -1, 8, 9, 10, 11));
+    const __m128i low = _mm_or_si128(
+        _mm_and_si128(x, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
+        _mm_and_si128(_mm_srli_epi16(x, 4),
+                      _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
+    return _mm_or_si128(low, _mm_and_si128(_mm_srli_epi16(t, 2), _mm_set1_epi8(0x30)));
 }
 #endif
 
