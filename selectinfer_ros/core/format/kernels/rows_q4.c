@@ -396,20 +396,26 @@ static void down_coeffs(const float *a, const uint8_t *hd, int64_t ldh, const in
     quant_coeffs(D, Mt, G, nbc, cq, s, cs, kb);
 }
 
-#if defined(SI_VNNI512) || defined(SI_AVXVNNI)
+#if defined(SI_AVX2) || defined(SI_AVX512)
+/* acc + the sums of four products u (unsigned bytes) times s (signed bytes) per 32-bit lane:
+   one instruction with VNNI, else two (the pairs' 16-bit sums cannot saturate here: u <= 15). */
 static inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
 #if defined(SI_VNNI512)
     return _mm256_dpbusd_epi32(acc, u, s);
-#else
+#elif defined(SI_AVXVNNI)
     return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
 #endif
 }
 
 /* axpy_q4_group's sums with the dot-product instruction: four rows at a time (a quad), their
    bytes at each position interleaved into 32-bit lanes (two byte and two word unpacks), times
    the quad's four int8 coefficients of the sub-block broadcast: each lane sums four rows, no
-   widening to 16 bits and no multiply per row (~2x fewer instructions). The integer sums are
-   exact (int32; the 16-bit path's wrap-around gives the same values), so y is the same to the
+   widening to 16 bits and no multiply per row (~2x fewer instructions with VNNI; without it the
+   dot product is two instructions). The integer sums are
+   exact (int32, as the NEON and plain paths sum them), so y is the same as theirs to the
    bit. Rows past G take coefficient 0. */
 static void axpy_q4_quads(const uint8_t *const *wr, int64_t G, const int16_t *cq,
                           const float *s, const int32_t *cs, const float *kb, int64_t bc,
@@ -483,64 +489,14 @@ static void axpy_q4_group(const uint8_t *const *wr, int64_t G, const int16_t *cq
                           const float *s, const int32_t *cs, const float *kb, int64_t bc,
                           int64_t nbc, float *y, const uint8_t *pf, const uint8_t *hd,
                           int64_t ldw, int64_t ldh, const int32_t *idx, int64_t g0, int64_t k) {
-#if defined(SI_VNNI512) || defined(SI_AVXVNNI)
+#if defined(SI_AVX2) || defined(SI_AVX512)
     axpy_q4_quads(wr, G, cq, s, cs, kb, bc, nbc, y, pf, hd, ldw, ldh, idx, g0, k);
 #else
     for (int64_t b = bc; b < bc + nbc; b += 2) { /* sub-blocks b (low nibbles), b + 1 (high) */
         float *yb = y + b * QK;
         const int16_t *cb = cq + (b - bc);
         float s0 = s[b - bc], s1 = s[b - bc + 1], k0 = kb[b - bc], k1 = kb[b - bc + 1];
-#if defined(SI_AVX512)
-        const __m512i low = _mm512_set1_epi16(0x0F);
-        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-        for (int64_t i = 0; i < G; i++) {
-            if (pf) prefetch_column(pf, hd, ldw, ldh, idx, g0 + i + DG, k, b);
-            __m512i r = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wr[i] + b * 16)));
-            lo = _mm512_add_epi16(lo, _mm512_mullo_epi16(_mm512_and_si512(r, low),
-                                                         _mm512_set1_epi16(cb[i * DB])));
-            hi = _mm512_add_epi16(hi, _mm512_mullo_epi16(_mm512_srli_epi16(r, 4),
-                                                         _mm512_set1_epi16(cb[i * DB + 1])));
-        }
-        lo = _mm512_sub_epi16(lo, _mm512_set1_epi16((int16_t)(uint16_t)(8u * (uint32_t)cs[b - bc])));
-        hi = _mm512_sub_epi16(hi, _mm512_set1_epi16((int16_t)(uint16_t)(8u * (uint32_t)cs[b - bc + 1])));
-        __m512i v[4] = {_mm512_cvtepi16_epi32(_mm512_castsi512_si256(lo)),
-                        _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(lo, 1)),
-                        _mm512_cvtepi16_epi32(_mm512_castsi512_si256(hi)),
-                        _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(hi, 1))};
-        for (int j = 0; j < 4; j++) {
-            __m512 sc = _mm512_set1_ps(j < 2 ? s0 : s1), kc = _mm512_set1_ps(j < 2 ? k0 : k1);
-            _mm512_storeu_ps(yb + 16 * j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[j]), sc,
-                                                          _mm512_add_ps(_mm512_loadu_ps(yb + 16 * j), kc)));
-        }
-#elif defined(SI_AVX2)
-        const __m256i low = _mm256_set1_epi16(0x0F);
-        __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                          _mm256_setzero_si256()}; /* y 0-15, 16-31 (b), 32-47, 48-63 (b + 1) */
-        for (int64_t i = 0; i < G; i++) {
-            if (pf) prefetch_column(pf, hd, ldw, ldh, idx, g0 + i + DG, k, b);
-            const uint8_t *wn = wr[i] + b * 16;
-            __m256i r0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)wn));
-            __m256i r1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wn + 16)));
-            __m256i c0 = _mm256_set1_epi16(cb[i * DB]), c1 = _mm256_set1_epi16(cb[i * DB + 1]);
-            acc[0] = _mm256_add_epi16(acc[0], _mm256_mullo_epi16(_mm256_and_si256(r0, low), c0));
-            acc[1] = _mm256_add_epi16(acc[1], _mm256_mullo_epi16(_mm256_and_si256(r1, low), c0));
-            acc[2] = _mm256_add_epi16(acc[2], _mm256_mullo_epi16(_mm256_srli_epi16(r0, 4), c1));
-            acc[3] = _mm256_add_epi16(acc[3], _mm256_mullo_epi16(_mm256_srli_epi16(r1, 4), c1));
-        }
-        for (int j = 0; j < 4; j++) {
-            int half = j >> 1;
-            __m256i off = _mm256_set1_epi16((int16_t)(uint16_t)(8u * (uint32_t)cs[b - bc + half]));
-            __m256i a = _mm256_sub_epi16(acc[j], off);
-            __m256 sc = _mm256_set1_ps(half ? s1 : s0), kc = _mm256_set1_ps(half ? k1 : k0);
-            __m256i v0 = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(a));
-            __m256i v1 = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a, 1));
-            float *yo = yb + 16 * j;
-            _mm256_storeu_ps(yo, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v0), sc,
-                                                 _mm256_add_ps(_mm256_loadu_ps(yo), kc)));
-            _mm256_storeu_ps(yo + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v1), sc,
-                                                     _mm256_add_ps(_mm256_loadu_ps(yo + 8), kc)));
-        }
-#elif defined(SI_NEON_DOT)
+#if defined(SI_NEON_DOT)
         const uint8x16_t low = vdupq_n_u8(0x0F);
         const int8x16_t eight = vdupq_n_s8(8);
         int16x8_t acc[8]; /* y 0-7, ..., 56-63 */
