@@ -408,6 +408,8 @@ def native_unsupported(d: Decoder) -> str | None:
             return "float neuron slots"
         if any(p.state.per_token and p.rec is None and not p.token_layout for p in parts):
             return "per-token selection over int8 slots not laid out for it (token_layout)"
+        if any(p.state.per_token and p.grouped for p in parts):
+            return "per-token selection over grouped 4-bit records (laid out for prompt mode)"
     if {l.input_norm.eps for l in d.layers} != {d.final_norm.eps}:
         return "norms with different eps"
     if int8.kernel() is None:
@@ -497,8 +499,11 @@ class NativeInt8Step:
             c.cos, c.sin = cos.data_ptr(), sin.data_ptr()
             c.window = l.window or 0
             c.gu = c.gu_scale = c.up = c.up_scale = c.down = c.down_scale = c.rec = None
-            c.down_ld = c.rec_ld = c.tiled = 0
+            c.down_ld = c.rec_ld = c.tiled = c.rec_grouped = 0
             for mlp in l.mlp.parts:  # int8 slots, 4-bit records, or both (tiered)
+                if mlp.grouped:  # 4-bit records in groups of 32 slots (prefix selection)
+                    c.rec, c.rec_grouped = mlp.rec.data_ptr(), 1
+                    continue
                 if mlp.rec is not None:  # 4-bit records, read in place
                     if mlp.rec.stride(1) != 1 or H % 64:
                         raise ValueError(f"layer {i}: 4-bit records in an unexpected layout")

@@ -31,7 +31,7 @@ def source_bytes() -> bytes:
     """Every source file of the library (kernel.c includes the others), for the build's hash."""
     return b"".join(f.name.encode() + f.read_bytes() for f in sorted(SOURCE.parent.iterdir())
                     if f.suffix in (".c", ".h"))
-ABI_VERSION = 18
+ABI_VERSION = 19
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
 # (name, cpuinfo flags it needs, compiler flags), best first, per machine
@@ -79,7 +79,9 @@ class LayerC(ctypes.Structure):
                 + [("down_ld", ctypes.c_int64), ("n_active", ctypes.c_int64),
                    # 4-bit records (None: none), row stride, active prefix; with gu too: tiered
                    ("rec", ctypes.c_void_p), ("rec_ld", ctypes.c_int64),
-                   ("rec_active", ctypes.c_int64)]
+                   ("rec_active", ctypes.c_int64),
+                   # 1: the records held in groups of 32 slots (q4.GroupedRecords; rec_ld unused)
+                   ("rec_grouped", ctypes.c_int64)]
                 # per-token selection: token 1 (int8: gate/up planar, down neuron-major [n_active,
                 # H]), the two
                 # thresholds, kept: int64 the kept neurons are added to, candidates: int64 the
@@ -297,6 +299,22 @@ def _open(out: Path, name: str) -> Kernel:
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.si_q4g_pays.restype = ctypes.c_int
+    lib.si_q4g_bytes.restype = ctypes.c_int64
+    lib.si_q4g_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    for fn in ("si_q4g_put", "si_q4g_get"):  # (groups, k, H, ids int64 [n], n, records [n, bytes])
+        f = getattr(lib, fn)
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                      ctypes.c_int64, ctypes.c_void_p]
+    f = lib.si_q4g_linear  # (x, M, H, groups, k, out [M, k, 2], threads)
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    f = lib.si_q4g_down  # (a, M, k, groups, H, y [M, H], threads)
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     f = lib.si_axpy_q4
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,

@@ -20,7 +20,10 @@ activations quantized per block of 32 to int8, each sub-block's integer dot prod
 nibbles, ``d * sc`` and ``dmin * m * sum(x)`` applied per sub-block), else on the dequantized
 rows. 4-bit neuron records (:func:`.pack.q4_records`) hold gate row, up row and down column as
 such rows; :func:`records_linear` and :func:`records_down` are their products (the decode step
-of a 4-bit model runs them inside the kernel's ``si_decode_layers``).
+of a 4-bit model runs them inside the kernel's ``si_decode_layers``). On the x86 vector paths a
+prompt-mode model holds them in groups of 32 slots, each group one stream in the order the
+products read it (:func:`groups_pay`, :func:`group_io`, :func:`grouped_linear`,
+:func:`grouped_down`; kernels/rows_q4g.c).
 """
 from __future__ import annotations
 
@@ -168,25 +171,22 @@ def linear(x: torch.Tensor, packed: torch.Tensor, heads: torch.Tensor) -> torch.
 
 
 IL = 16  # rows per interleaved group (kernels/rows_q4il.c)
-IL_HEAD_ROW = 20  # interleaved head bytes per row and super-block (HEAD in the row layout)
 IL_PAYS = ("avx512vnni", "avx512bw", "avxvnni", "avx2")  # kernel paths with a vector il_group
 
 
 def interleave(packed: torch.Tensor, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``(nibbles [N, K / 2], heads [N, ceil(K / 256) * 16])`` -> the kernel's interleaved
-    layout (rows_q4il.c): nibbles ``[N / 16, K / 64, 8, 16, 4]`` (group, sub-block pair, chunk,
-    row, byte) as ``[N, K / 2]``, and per group and super-block the heads decoded: d[16],
-    dmin[16] float16, scales [8][16], minimums [8][16] bytes, as ``[N, ceil(K / 256) * 20]``."""
+    layout (rows_q4il.c), the same bytes: nibbles ``[N / 16, K / 64, 8, 16, 4]`` (group,
+    sub-block pair, chunk, row, byte) as ``[N, K / 2]``, and per group and super-block the heads
+    as planes: d[16], dmin[16] float16, then byte b of the 12 packed scale bytes of each row
+    ``[12][16]``, as ``[N, ceil(K / 256) * 16]``."""
     N, K = packed.shape[0], packed.shape[1] * 2
     G, nsb = N // IL, heads.shape[1] // HEAD
     w = packed.reshape(G, IL, K // 64, 8, 4).permute(0, 2, 3, 1, 4).reshape(N, K // 2)
-    h = heads.reshape(N, nsb, HEAD)
-    dd = h[:, :, :4].contiguous().view(torch.float16).view(G, IL, nsb, 2)
-    ls, lm = unpack_scales(h[:, :, 4:].reshape(N * nsb, 12))
-    sm = torch.stack([ls, lm], 1).to(torch.uint8).view(G, IL, nsb, 2, 8)  # [g, row, s, sc|m, j]
-    d = dd.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(G, nsb, 2 * 2 * IL)
-    out = torch.cat([d, sm.permute(0, 2, 3, 4, 1).reshape(G, nsb, 16 * IL)], 2)
-    return w.contiguous(), out.reshape(N, nsb * IL_HEAD_ROW).contiguous()
+    h = heads.reshape(G, IL, nsb, 8, 2).permute(0, 2, 4, 3, 1)  # [g, s, byte of word, word, row]
+    planes = torch.cat([h[:, :, :, :2].permute(0, 1, 3, 4, 2).reshape(G, nsb, 4 * IL),  # d, dmin
+                        h[:, :, :, 2:].permute(0, 1, 3, 2, 4).reshape(G, nsb, 12 * IL)], 2)
+    return w.contiguous(), planes.reshape(N, nsb * HEAD).contiguous()
 
 
 def interleaved_rows(packed: torch.Tensor, heads: torch.Tensor, ids: torch.Tensor
@@ -194,17 +194,13 @@ def interleaved_rows(packed: torch.Tensor, heads: torch.Tensor, ids: torch.Tenso
     """Rows ``ids`` of an interleaved matrix (:func:`interleave`) in the row layout (nibbles,
     heads)."""
     N, K = packed.shape[0], packed.shape[1] * 2
-    G, nsb = N // IL, heads.shape[1] // IL_HEAD_ROW
+    G, nsb = N // IL, heads.shape[1] // HEAD
     g, r = ids // IL, ids % IL
     nib = packed.view(G, K // 64, 8, IL, 4)[g, :, :, r].reshape(-1, K // 2)
-    h = heads.view(G, nsb, IL_HEAD_ROW * IL)[g]  # [n, nsb, 320]
+    h = heads.view(G, nsb, HEAD, IL)[g]  # [n, nsb, 16 (byte of the row's head), 16 (row)]
     at = torch.arange(len(ids))
-    dd = h[:, :, :4 * IL].contiguous().view(torch.float16).view(-1, nsb, 2, IL)[at, :, :, r]
-    sm = h[:, :, 4 * IL:].reshape(-1, nsb, 2, 8, IL)[at, :, :, :, r].to(torch.int32)  # [n, s, 2, 8]
-    packed_sm = pack_scales(sm[:, :, 0].reshape(-1, 8), sm[:, :, 1].reshape(-1, 8))
-    out = torch.cat([dd.contiguous().view(torch.uint8).reshape(-1, nsb, 4),
-                     packed_sm.view(-1, nsb, 12)], 2)
-    return nib, out.reshape(-1, nsb * HEAD)
+    dd = h[:, :, :4].view(-1, nsb, 2, IL, 2)[at, :, :, r].reshape(-1, nsb, 4)  # d, dmin bytes
+    return nib, torch.cat([dd, h[at, :, 4:, r]], 2).reshape(-1, nsb * HEAD)
 
 
 def interleaved_linear(x: torch.Tensor, packed: torch.Tensor, heads: torch.Tensor
@@ -387,6 +383,69 @@ def records_down(a: torch.Tensor, rec: torch.Tensor, hidden: int) -> torch.Tenso
     if rc != 0:
         raise ValueError(f"4-bit down product: hidden size {H} is not a multiple of 64")
     y = y.view(*a.shape[:-1], H)
+    return y if a.dtype == torch.float32 else y.to(a.dtype)
+
+
+GS = 32  # slots per group of grouped records (kernels/rows_q4g.c)
+
+
+def groups_pay(device: torch.device | str) -> bool:
+    """Whether 4-bit neuron records on ``device`` are held in the kernel's groups of 32 slots
+    (:class:`..selection.selective_mlp.Slots` ``grouped``; kernels/rows_q4g.c): on the CPU, where
+    the kernel is built and its path gains from them (``si_q4g_pays``: the x86 vector paths)."""
+    k = _kernel.kernel() if torch.device(device).type == "cpu" else None
+    return k is not None and bool(k.lib.si_q4g_pays())
+
+
+def empty_groups(k: int, hidden: int) -> torch.Tensor:
+    """Room for ``k`` records in groups: ``uint8 [si_q4g_bytes(k, H)]``, zero (a partial last
+    group's unused slots compute 0)."""
+    return torch.zeros(_kernel.kernel().lib.si_q4g_bytes(k, hidden), dtype=torch.uint8)
+
+
+def group_io(name: str, groups: torch.Tensor, k: int, hidden: int, ids: torch.Tensor,
+             recs: torch.Tensor | None = None) -> torch.Tensor:
+    """Slots ``ids`` of ``k`` records held in groups: ``name`` "get" reads them as records
+    (uint8 ``[n, record bytes]``, :func:`.pack.q4_records`' layout, the bytes exactly), "put"
+    writes ``recs`` there (and returns it)."""
+    ids = ids.to(device="cpu", dtype=torch.int64).contiguous()
+    nib, head = row_bytes(hidden)
+    if recs is None:
+        recs = torch.empty(ids.numel(), 3 * (nib + head), dtype=torch.uint8)
+    recs = recs.contiguous()
+    if ids.numel() and getattr(_kernel.kernel().lib, f"si_q4g_{name}")(
+            groups.data_ptr(), k, hidden, ids.data_ptr(), ids.numel(), recs.data_ptr()) != 0:
+        raise IndexError(f"grouped records {name}: an id out of range for {k} slots")
+    return recs
+
+
+def grouped_linear(x: torch.Tensor, groups: torch.Tensor, k: int, hidden: int) -> torch.Tensor:
+    """:func:`records_linear` over the first ``k`` slots of grouped records: ``x [..., H]`` ->
+    ``[..., k, 2]`` (gate, up)."""
+    x2 = x.reshape(-1, hidden)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    out = torch.empty(x2.shape[0], k, 2, dtype=torch.float32)
+    if k and x2.shape[0] and _kernel.kernel().lib.si_q4g_linear(
+            x2.data_ptr(), x2.shape[0], hidden, groups.data_ptr(), k, out.data_ptr(),
+            torch.get_num_threads()) != 0:
+        raise MemoryError("4-bit kernel: out of memory for the quantized activations")
+    out = out.view(*x.shape[:-1], k, 2)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def grouped_down(a: torch.Tensor, groups: torch.Tensor, k: int, hidden: int) -> torch.Tensor:
+    """:func:`records_down` over the first ``k`` slots of grouped records (the same sums): ``a
+    [..., k]`` -> ``[..., H]``."""
+    a2 = a.reshape(-1, k)
+    if a2.dtype != torch.float32 or not a2.is_contiguous():
+        a2 = a2.float().contiguous()
+    y = torch.zeros(a2.shape[0], hidden, dtype=torch.float32)
+    if k and a2.shape[0] and _kernel.kernel().lib.si_q4g_down(
+            a2.data_ptr(), a2.shape[0], k, groups.data_ptr(), hidden, y.data_ptr(),
+            torch.get_num_threads()) != 0:
+        raise ValueError(f"4-bit down product: hidden size {hidden} is not a multiple of 64")
+    y = y.view(*a.shape[:-1], hidden)
     return y if a.dtype == torch.float32 else y.to(a.dtype)
 
 

@@ -386,10 +386,12 @@ class SelectiveModel:
     def _empty_slots(self, k: int, source: str = "main") -> Slots:
         m = self.manifest
         int8_slots = m.int8_ffn or source == "high"
+        records = m.q4_ffn and source == "main"
         return Slots.empty(k, m.hidden_size, self.dtype, int8_slots, self.device,
-                           m.record_bytes if m.q4_ffn and source == "main" else 0,
+                           m.record_bytes if records else 0,
                            token_layout=self.state.per_token,
-                           tiled=int8_slots and not self.state.per_token and tiles_pay(self.device))
+                           tiled=int8_slots and not self.state.per_token and tiles_pay(self.device),
+                           grouped=records and not self.state.per_token and q4.groups_pay(self.device))
 
     def _load_layer(self, reader: CountingReader, mlp: SelectiveMLP, layer: int, ids: torch.Tensor,
                     n_static: int) -> int:
@@ -628,16 +630,11 @@ def dense_layer_count(num_layers: int, dense_layers: int) -> int:
 
 
 def other_bytes_estimate(m: Manifest, dtype: torch.dtype) -> int:
-    """Resident bytes of the non-FFN tensors of a packed model in ``dtype`` (int8 rows and their
-    scales as stored; the heads of 4-bit layers as the CPU's interleaved layout holds them, at
-    most, :func:`..format.q4.interleave`)."""
+    """Resident bytes of the non-FFN tensors of a packed model in ``dtype`` (int8 and 4-bit rows
+    and their scales as stored, also in the CPU's interleaved layout)."""
     tensors, _, _ = read_header(m.path / OTHER_FILE)
-    tied = "lm_head.weight" not in tensors
 
     def resident(name: str, t) -> int:
-        if t.dtype == torch.uint8 and name.endswith(".scale") and t.shape[0] % q4.IL == 0 \
-                and (tied or "embed_tokens" not in name):  # 4-bit heads: 20 bytes of 16
-            return t.nbytes // q4.HEAD * q4.IL_HEAD_ROW
         if t.dtype in (torch.int8, torch.uint8) or name.endswith(".scale"):
             return t.nbytes
         return t.nbytes // t.dtype.itemsize * dtype.itemsize
@@ -645,7 +642,8 @@ def other_bytes_estimate(m: Manifest, dtype: torch.dtype) -> int:
 
 
 def neuron_bytes(m: Manifest, dtype: torch.dtype) -> int:
-    """Resident bytes of one neuron of one layer (int8 rows and scales, or three rows in ``dtype``)."""
+    """Resident bytes of one neuron of one layer (int8 rows and scales, 4-bit records, also in the
+    CPU's groups, or three rows in ``dtype``)."""
     return m.record_bytes if m.quantized_ffn else 3 * m.hidden_size * dtype.itemsize
 
 

@@ -15,7 +15,9 @@ marks the slots that request computes; its activations of the others are zeroed 
 product. A leaving request's neurons leave the prefix (:meth:`SelectiveMLP.release_row`).
 
 Slots hold float rows, int8 rows with a float32 scale each (``int8`` packed models), or the
-4-bit neuron records whole (``q4`` packed models: ``rec[:n_active]`` is the active prefix).
+4-bit neuron records whole (``q4`` packed models: ``rec[:n_active]`` is the active prefix; in
+prompt mode on x86 CPUs held in the kernel's groups of 32 slots, ``grouped``, read and written a
+record at a time through :func:`..format.q4.group_io`).
 
 Per-token selection (``compute_mode`` ``token``, :class:`TokenRule`): no prompt-chosen set; each
 decode token computes the gate row of every loaded neuron, the up row of the candidates whose
@@ -70,8 +72,10 @@ class Slots:
     ``gu_scale`` ``[k, 2]`` and ``down_scale`` ``[k]`` float32; int8 ``token_layout``, for
     per-token selection: ``gu`` ``[2, k, H]`` and ``gu_scale`` ``[2, k]`` planar, ``down``
     ``[k, H]`` neuron-major), or 4-bit records ``rec`` uint8 ``[k, record_bytes]`` as stored
-    (:func:`..format.pack.q4_records`; no ``gu``, ``down``). int8 ``tiled`` (prefix selection on
-    CPUs whose kernel gains from it): ``gu`` holds the ``[2k, H]`` rows and ``down`` the
+    (:func:`..format.pack.q4_records`; no ``gu``, ``down``), or with ``grouped`` (prefix
+    selection on CPUs whose kernel gains from it) those records in the kernel's groups of 32
+    slots (``rec`` uint8 ``[si_q4g_bytes(k, H)]``, ``count`` k; :func:`..format.q4.group_io`).
+    int8 ``tiled`` (the same): ``gu`` holds the ``[2k, H]`` rows and ``down`` the
     ``[H, k]`` rows as the kernel's tiles (:func:`..format.int8.tiles_of`), read and written a
     neuron at a time through :func:`..format.int8.tile_io`."""
 
@@ -82,14 +86,20 @@ class Slots:
     rec: torch.Tensor | None = None
     token_layout: bool = False  # int8 gu planar [2, k, H], down neuron-major [k, H] (per token)
     tiled: bool = False  # int8 gu and down as tiles
-    hidden: int = 0  # H (tiled: the tiles do not say)
+    hidden: int = 0  # H (tiled, grouped: the storage does not say)
+    grouped: bool = False  # 4-bit records in groups of 32 slots
+    count: int = 0  # slots held (grouped: the storage does not say)
 
     @classmethod
     def empty(cls, k: int, hidden: int, dtype: torch.dtype, quantized: bool,
               device: torch.device | str, record_bytes: int = 0, token_layout: bool = False,
-              tiled: bool = False) -> "Slots":
-        """``record_bytes`` > 0: slots of 4-bit records of that size; ``token_layout``: int8 slots
-        laid out for per-token selection; ``tiled``: int8 slots as tiles (CPU)."""
+              tiled: bool = False, grouped: bool = False) -> "Slots":
+        """``record_bytes`` > 0: slots of 4-bit records of that size (``grouped``: in groups,
+        CPU); ``token_layout``: int8 slots laid out for per-token selection; ``tiled``: int8
+        slots as tiles (CPU)."""
+        if record_bytes and grouped:
+            return cls(None, None, rec=q4.empty_groups(k, hidden), hidden=hidden, grouped=True,
+                       count=k)
         if record_bytes:
             return cls(None, None, rec=torch.empty(k, record_bytes, dtype=torch.uint8, device=device))
         if not quantized:
@@ -109,8 +119,16 @@ class Slots:
     def k(self) -> int:
         """Slots held."""
         if self.rec is not None:
-            return self.rec.shape[0]
+            return self.count if self.grouped else self.rec.shape[0]
         return self.down_scale.shape[0] if self.quantized else self.gu.shape[0]  # tiles: bytes
+
+    def records(self, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """4-bit records of ``slots`` (None: all) as stored in the pack, whatever their storage:
+        uint8 ``[n, record bytes]``."""
+        ids = torch.arange(self.k) if slots is None else slots.cpu()
+        if self.grouped:
+            return q4.group_io("get", self.rec, self.k, self.hidden, ids)
+        return self.rec[ids.to(self.rec.device)]
 
     def unpacked(self, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """int8 slots as rows whatever their storage: ``gu`` ``[n, 2, H]``, ``down`` ``[H, n]``
@@ -151,6 +169,9 @@ class Slots:
         """Write neuron records (``vals`` ``[n, 3, H]``, ``scales`` ``[n, 3]``; 4-bit: the records
         ``[n, record_bytes]``) into slots ``dst``."""
         every = torch.arange(vals.shape[0], device=vals.device)
+        if self.grouped:
+            q4.group_io("put", self.rec, self.k, self.hidden, dst, vals)
+            return
         if self.rec is not None:
             copy_index(self.rec, 0, dst, vals.contiguous(), every)
             return
@@ -171,6 +192,12 @@ class Slots:
 
     def copy(self, dst: torch.Tensor, other: "Slots", src: torch.Tensor) -> None:
         """Slots ``dst`` of this storage take the contents of ``other``'s slots ``src``."""
+        if self.grouped:  # read first: src and dst may overlap (swaps)
+            self.put(dst, other.records(src), None)
+            return
+        if self.rec is not None and other.grouped:
+            copy_index(self.rec, 0, dst, other.records(src), torch.arange(src.numel()))
+            return
         if self.rec is not None:
             copy_index(self.rec, 0, dst, other.rec, src)
             return
@@ -241,6 +268,7 @@ class SelectiveMLP(nn.Module):
         self.register_buffer("gu_scale", None)  # [k, 2] float32, int8 slots only
         self.register_buffer("down_scale", None)  # [k] float32, int8 slots only
         self.register_buffer("rec", None)  # [k, record_bytes] uint8, 4-bit records only
+        self.grouped = False  # ``rec`` holds the records in the kernel's groups (Slots.grouped)
         self.register_buffer("slot_ids", torch.empty(0, dtype=torch.long, device=device))  # [k]
         self.token_layout = False  # int8 ``gu`` [2, k, H], ``down`` [k, H] (per-token selection)
         self.tiled = False  # int8 ``gu`` and ``down`` as tiles (Slots.tiled)
@@ -271,7 +299,7 @@ class SelectiveMLP(nn.Module):
     @property
     def slots(self) -> Slots:
         return Slots(self.gu, self.down, self.gu_scale, self.down_scale, self.rec,
-                     self.token_layout, self.tiled, self.hidden)
+                     self.token_layout, self.tiled, self.hidden, self.grouped, self.n_loaded)
 
     @property
     def n_loaded(self) -> int:
@@ -282,7 +310,7 @@ class SelectiveMLP(nn.Module):
         self.gu, self.down = slots.gu, slots.down
         self.gu_scale, self.down_scale = slots.gu_scale, slots.down_scale
         self.rec = slots.rec
-        self.token_layout, self.tiled = slots.token_layout, slots.tiled
+        self.token_layout, self.tiled, self.grouped = slots.token_layout, slots.tiled, slots.grouped
         self.slot_ids = slot_ids
         self.n_static = n_static
         self.n_active = slot_ids.numel()
@@ -303,7 +331,9 @@ class SelectiveMLP(nn.Module):
         per_token = self.state.per_token and not self.state.prefill  # dense layers: thresholds 0
         k = self.n_loaded if self.state.prefill or per_token or self.token_layout \
             else self.decode_width
-        if self.rec is not None:  # 4-bit records: the active prefix, read in place
+        if self.grouped:  # 4-bit records in groups: the active prefix's groups, in place
+            out = q4.grouped_linear(x, self.rec, k, self.hidden)  # [B, T, k, 2]
+        elif self.rec is not None:  # 4-bit records: the active prefix, read in place
             out = q4.records_linear(x, self.rec[:k], self.hidden)  # [B, T, k, 2]
         elif self.tiled:  # rows 2i, 2i + 1: neuron i's gate and up
             out = int8.tile_linear(x, self.gu, self.gu_scale[:k].view(2 * k), 2 * k
@@ -346,6 +376,8 @@ class SelectiveMLP(nn.Module):
 
     def _down(self, h: torch.Tensor, k: int) -> torch.Tensor:
         """``h`` ``[B, T, k]`` through the down columns of slots ``[0, k)`` -> ``[B, T, H]``."""
+        if self.grouped:
+            return q4.grouped_down(h, self.rec, k, self.hidden)
         if self.rec is not None:
             return q4.records_down(h, self.rec[:k], self.hidden)
         if self.down_scale is None:
@@ -365,6 +397,8 @@ class SelectiveMLP(nn.Module):
         """``h`` ``[B, T, k]`` through the down columns of the records each position kept
         (``keep``), over the kept list in slot order (the decode kernel's groups of 32 of it) ->
         ``[B, T, H]``."""
+        if self.grouped:
+            raise ValueError("per-token selection over grouped records (they are for prompt mode)")
         rows, flags = h.reshape(-1, h.shape[-1]), keep.reshape(-1, keep.shape[-1])
         y = rows.new_zeros(rows.shape[0], self.hidden)
         for r in range(rows.shape[0]):

@@ -182,7 +182,7 @@ def _dense_q4_reference(packed, sm):
             lin.register_forward_pre_hook(lambda m, args: (_q8(args[0]),))
         order = mlp.slot_ids  # slot i holds neuron order[i]
 
-        def down(m, args, out, rec=mlp.rec, order=order):
+        def down(m, args, out, rec=mlp.slots.records(), order=order):
             a = args[0][..., order]
             y = q4.down_reference(a.reshape(-1, a.shape[-1]), *q4.record_parts(rec, H, 2))
             return y.view(*a.shape[:-1], H).to(out.dtype)
@@ -437,8 +437,8 @@ def test_token_selection_in_the_decode_kernel_equals_torch_ops(token_packs, monk
 def test_token_selection_with_thresholds_0_equals_every_loaded_neuron(token_packs, monkeypatch,
                                                                       family, weights):
     """Thresholds 0 (share 1): the kernel's token path computes every loaded neuron, as the
-    prompt mode at gamma = phi = 1 does: 4-bit identically (the same records and products),
-    int8 to the noise of the prompt mode's int8 activations into the down projection (token
+    prompt mode at gamma = phi = 1 does: 4-bit identically (the same records and products; the
+    prompt mode's records held as rows here, not in groups), int8 to the noise of the prompt mode's int8 activations into the down projection (token
     mode sums it in float); every neuron is counted as kept and as a candidate, and every decode
     token. The thresholds follow set_compute_ratio within a request (no prefill between)."""
     ids = torch.randint(4, 500, (30,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -447,7 +447,9 @@ def test_token_selection_with_thresholds_0_equals_every_loaded_neuron(token_pack
         if mode == "token":
             sm = _token_model(token_packs, monkeypatch, family, weights, 1.0)
         else:
-            sm = SelectiveModel(token_packs[family, weights][0], load_ratio=1.0)
+            with monkeypatch.context() as mp:
+                mp.setattr(q4, "groups_pay", lambda device: False)
+                sm = SelectiveModel(token_packs[family, weights][0], load_ratio=1.0)
         e = Engine.from_selective(sm)
         assert e.decoder.path == "int8 decode kernel"
         with torch.inference_mode():

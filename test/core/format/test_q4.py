@@ -317,7 +317,10 @@ def test_q4_model_reads_only_its_records_and_switches_like_a_fresh_load(q4_packe
     tensors, _, _ = read_header(path / OTHER_FILE)
     n = round(gamma * m.intermediate_size)
     assert sm.bytes_read == sum(t.nbytes for t in tensors.values()) + m.num_layers * n * m.record_bytes
-    assert sm.weight_bytes()["ffn"] == m.num_layers * n * m.record_bytes
+    assert all(mlp.grouped == q4.groups_pay("cpu") for mlp in sm.mlps)
+    held = (m.num_layers * q4.empty_groups(n, m.hidden_size).numel() if q4.groups_pay("cpu")
+            else m.num_layers * n * m.record_bytes)  # grouped: the gate / up heads decoded
+    assert sm.weight_bytes()["ffn"] == held
     report = sm.switch_task("beta")
     assert report.bytes_read == report.neurons_read * m.record_bytes
     fresh = SelectiveModel(path, profiles, "beta", load_ratio=gamma, static_ratio=0.3)
@@ -325,7 +328,7 @@ def test_q4_model_reads_only_its_records_and_switches_like_a_fresh_load(q4_packe
         order, ref_order = torch.argsort(mlp.slot_ids), torch.argsort(ref.slot_ids)
         assert torch.equal(mlp.slot_ids[order], ref.slot_ids[ref_order])
         assert set(mlp.slot_ids[: mlp.n_static].tolist()) == set(ref.slot_ids[: ref.n_static].tolist())
-        assert torch.equal(mlp.rec[order], ref.rec[ref_order])
+        assert torch.equal(mlp.slots.records(order), ref.slots.records(ref_order))
 
 
 @pytest.mark.parametrize("isa", [n for n, _ in kernel.candidates()])
@@ -338,7 +341,7 @@ def test_interleaved_rows_give_the_row_product_on_every_path(isa):
     for n, kk, m in [(16, 64, 1), (48, 896, 3), (32, 640, 2), (64, 1536, 1), (160, 2048, 4)]:
         packed, d = q4.quantize(torch.randn(n, kk, generator=g))
         wi, hi = q4.interleave(packed, d)
-        assert wi.shape == packed.shape and hi.shape == (n, -(-kk // 256) * 20)
+        assert wi.shape == packed.shape and hi.shape == d.shape  # the same bytes
         x = torch.randn(m, kk, generator=g)
         want = torch.empty(m, n)
         assert plain.lib.si_linear_q4(x.data_ptr(), m, kk, packed.data_ptr(), d.data_ptr(), n,
@@ -355,6 +358,58 @@ def test_interleaved_rows_give_the_row_product_on_every_path(isa):
         y = torch.empty(1, 24)
         assert k.lib.si_linear_q4il(x.data_ptr(), 1, kk, wi.data_ptr(), hi.data_ptr(), 24,
                                     y.data_ptr(), 1) == -2  # not a whole number of groups
+
+
+@pytest.mark.parametrize("isa", [n for n, _ in kernel.candidates()])
+def test_grouped_records_give_the_records_products_on_every_path(isa):
+    """4-bit neuron records held in groups of 32 slots (rows_q4g.c), in the records' bytes:
+    written in any slot order and read back exactly; the gate and up products the records' to float rounding, the down
+    product the records' to the bit (the same coefficients and integer sums), on every path of
+    this CPU and the plain C one, whole and partial groups and super-blocks, one activation row
+    and several, one thread and two; an id out of range refused."""
+    from selectinfer_ros.core.format.pack import q4_records
+    plain, k = kernel.load(isa="plain"), kernel.load(isa=isa)
+    g = torch.Generator().manual_seed(12)
+    for n, H, M in [(32, 64, 1), (45, 896, 3), (77, 640, 2), (64, 1536, 1), (40, 1536, 5)]:
+        rec = q4_records(torch.randn(n, H, generator=g), torch.randn(n, H, generator=g),
+                         torch.randn(H, n, generator=g))
+        slots = torch.randperm(n, generator=g)  # record i in slot slots[i]
+        by_slot = torch.empty_like(rec)
+        by_slot[slots] = rec
+        x, a = torch.randn(M, H, generator=g), torch.randn(M, n, generator=g)
+        want_gu = torch.empty(2, M, n)
+        want_y = torch.empty(M, H)
+        nib, hb = q4.row_bytes(H)
+        for r in (0, 1):
+            w, d = q4.record_parts(by_slot, H, r)
+            assert plain.lib.si_linear_q4(x.data_ptr(), M, H, w.data_ptr(), d.data_ptr(), n,
+                                          w.stride(0), d.stride(0), want_gu[r].data_ptr(), 1) == 0
+        for lib in (plain, k):
+            blk = torch.zeros(lib.lib.si_q4g_bytes(n, H), dtype=torch.uint8)
+            assert blk.numel() == -(-n // 32) * 32 * rec.shape[1]  # the records' bytes
+            ids = slots.to(torch.int64).contiguous()
+            assert lib.lib.si_q4g_put(blk.data_ptr(), n, H, ids.data_ptr(), n, rec.data_ptr()) == 0
+            back = torch.empty_like(rec)
+            every = torch.arange(n, dtype=torch.int64)
+            assert lib.lib.si_q4g_get(blk.data_ptr(), n, H, every.data_ptr(), n,
+                                      back.data_ptr()) == 0
+            assert torch.equal(back, by_slot), (n, H, lib.isa)
+            bad = torch.tensor([n], dtype=torch.int64)
+            assert lib.lib.si_q4g_get(blk.data_ptr(), n, H, bad.data_ptr(), 1, back.data_ptr()) == -1
+            w, d = q4.record_parts(by_slot, H, 2)
+            assert lib.lib.si_axpy_q4(a.data_ptr(), M, n, w.data_ptr(), d.data_ptr(), w.stride(0),
+                                      d.stride(0), H, want_y.data_ptr(), 1) == 0
+            for threads in (1, 2):
+                gu = torch.empty(M, n, 2)
+                assert lib.lib.si_q4g_linear(x.data_ptr(), M, H, blk.data_ptr(), n, gu.data_ptr(),
+                                             threads) == 0
+                for r in (0, 1):
+                    assert torch.allclose(gu[..., r], want_gu[r], rtol=1e-5,
+                                          atol=1e-5 * float(want_gu[r].abs().max())), (n, H, lib.isa)
+                y = torch.empty(M, H)
+                assert lib.lib.si_q4g_down(a.data_ptr(), M, n, blk.data_ptr(), H, y.data_ptr(),
+                                           threads) == 0
+                assert torch.equal(y, want_y), (n, H, M, lib.isa, threads)
 
 
 def test_interleaved_output_layer_and_its_tied_embedding_keep_their_results():

@@ -49,8 +49,8 @@ def test_tiers_hold_the_first_neurons_of_the_selection_as_int8_and_read_only_the
         gu, down = mlp.hi.slots.unpacked()
         assert torch.equal(gu, vals[:, :2]) and torch.equal(down.t(), vals[:, 2])
         assert torch.equal(mlp.hi.gu_scale, scales[:, :2])
-        assert torch.equal(mlp.lo.rec, _records(q4_pack, "ffn.safetensors", layer, mlp.lo.slot_ids,
-                                                m.record_bytes))
+        assert torch.equal(mlp.lo.slots.records(), _records(q4_pack, "ffn.safetensors", layer,
+                                                            mlp.lo.slot_ids, m.record_bytes))
     assert sm.weight_bytes()["ffn"] > plain.weight_bytes()["ffn"]  # int8 records are larger
     assert [ids.numel() for ids in sm.high_neuron_ids()] == [n_hi] * m.num_layers
 

@@ -12,7 +12,7 @@
 #endif
 
 #ifndef SI_ABI_VERSION
-#define SI_ABI_VERSION 18
+#define SI_ABI_VERSION 19
 #endif
 
 #if defined(SI_PLAIN)

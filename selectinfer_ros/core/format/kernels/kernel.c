@@ -39,6 +39,7 @@
      tiles.c       int8 weights as tiles of 16 interleaved rows (output layer, projections)
      rows_q4.c     4-bit rows: the row product, the down product of 4-bit records
      rows_q4il.c   4-bit rows interleaved 16 at a time (output layer, projections)
+     rows_q4g.c    4-bit neuron records held in groups of 32 slots (prompt mode's MLP)
      step.h        the decode step's structures (the ABI) and the helpers of every layer
      attention.c   one layer's attention for a batch's rows
      mlp_int8.c    the MLP over int8 neuron slots (active prefix, per-token selection)
@@ -51,6 +52,7 @@
 #include "tiles.c"
 #include "rows_q4.c"
 #include "rows_q4il.c"
+#include "rows_q4g.c"
 #include "step.h"
 #include "attention.c"
 #include "mlp_int8.c"

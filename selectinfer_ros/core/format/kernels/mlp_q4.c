@@ -51,6 +51,15 @@ static void add_q4_parts(const si_model *r, int64_t H, int tiered, int t, int nt
     }
 }
 
+/* Thread t's partial down sums of the B rows cleared, and each row's mask (NULL: none) in mks. */
+static void start_parts(const si_model *m, const si_model *R, const si_layer *L, int64_t B,
+                        int tiered, int t, const float **mks) {
+    for (int64_t b = 0; b < B; b++) {
+        memset(q4_part(&R[b], t, tiered), 0, (size_t)m->hidden * sizeof(float));
+        mks[b] = rec_row_mask(m, L, b);
+    }
+}
+
 /* The active records rec[:rec_active] for the B rows of a batch (their input quantized in R[b]),
    into each row's partial sums (q4_part); no barrier. One pass over the records, in memory
    order: each thread takes whole groups of DG neurons (the down product's coefficient groups),
@@ -62,10 +71,7 @@ static void records_q4(const si_model *m, const si_model *R, const si_layer *L, 
     int64_t g0, g1;
     share((k + DG - 1) / DG, t, nt, &g0, &g1);
     const float *mks[SI_MAX_BATCH]; /* each row's mask (NULL: none) */
-    for (int64_t b = 0; b < B; b++) {
-        memset(q4_part(&R[b], t, tiered), 0, (size_t)H * sizeof(float));
-        mks[b] = rec_row_mask(m, L, b);
-    }
+    start_parts(m, R, L, B, tiered, t, mks);
     for (int64_t g = g0; g < g1; g++) {
         int64_t n0 = g * DG, G = k - n0 < DG ? k - n0 : DG;
         for (int64_t n = n0; n < n0 + G; n++) {
@@ -92,11 +98,36 @@ static void records_q4(const si_model *m, const si_model *R, const si_layer *L, 
     }
 }
 
+/* records_q4 over slots held in groups (si_layer.rec_grouped, rows_q4g.c): each thread takes
+   whole groups, reads a group's gate and up rows (16 slots at a time), then its down columns,
+   one stream; a row's masked slots and those past the active prefix take activation 0. */
+static void groups_q4(const si_model *m, const si_model *R, const si_layer *L, int64_t B,
+                      int tiered, int t, int nt) {
+    int64_t H = m->hidden, k = L->rec_active, gb = q4g_bytes(H);
+    int64_t g0, g1;
+    share((k + GS - 1) / GS, t, nt, &g0, &g1);
+    const float *mks[SI_MAX_BATCH]; /* each row's mask (NULL: none) */
+    start_parts(m, R, L, B, tiered, t, mks);
+    for (int64_t g = g0; g < g1; g++) {
+        int64_t n0 = g * GS, G = k - n0 < GS ? k - n0 : GS;
+        const uint8_t *blk = L->rec + g * gb;
+        for (int64_t b = 0; b < B; b++) {
+            const si_model *rb = &R[b];
+            const float *mk = mks[b];
+            float gv[GS], uv[GS], *a = rb->a + n0;
+            q4g_gate_up(blk, H, G, rb->xq, rb->xd, rb->xs, gv, uv);
+            for (int64_t i = 0; i < G; i++)
+                a[i] = mk && mk[n0 + i] == 0.0f ? 0.0f : act(gv[i], m->act) * uv[i];
+            down_q4g(blk, H, a, G, q4_part(rb, t, tiered));
+        }
+    }
+}
+
 /* One layer's MLP over the active 4-bit records for the B rows of a batch. */
 static void mlp_rows_q4(const si_model *m, const si_model *R, const si_layer *L, float *x,
                         int64_t B, int t, int nt) {
     mlp_input_rows(m, R, L, x, B, t, nt);
-    records_q4(m, R, L, B, 0, t, nt);
+    (L->rec_grouped ? groups_q4 : records_q4)(m, R, L, B, 0, t, nt);
     barrier();
     for (int64_t b = 0; b < B; b++) add_q4_parts(&R[b], m->hidden, 0, t, nt);
     barrier();

@@ -10,7 +10,7 @@ static void mlp_rows_tiers(const si_model *m, const si_model *R, const si_layer 
                            int64_t B, int t, int nt) {
     mlp_input_rows(m, R, L, x, B, t, nt);
     gate_up_int8(m, R, L, B, t, nt);
-    records_q4(m, R, L, B, 1, t, nt);
+    (L->rec_grouped ? groups_q4 : records_q4)(m, R, L, B, 1, t, nt);
     barrier();
     down_int8(m, R, L, B, t, nt);
     barrier();

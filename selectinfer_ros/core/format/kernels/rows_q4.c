@@ -417,18 +417,13 @@ static inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
    dot product is two instructions). The integer sums are
    exact (int32, as the NEON and plain paths sum them), so y is the same as theirs to the
    bit. Rows past G take coefficient 0. */
-static void axpy_q4_quads(const uint8_t *const *wr, int64_t G, const int16_t *cq,
-                          const float *s, const int32_t *cs, const float *kb, int64_t bc,
-                          int64_t nbc, float *y, const uint8_t *pf, const uint8_t *hd,
-                          int64_t ldw, int64_t ldh, const int32_t *idx, int64_t g0, int64_t k) {
-    enum { NQ = DG / 4 };
-    int32_t cw[NQ * DB]; /* quad m's coefficient word of sub-block bc + j at [m * DB + j] */
-    const uint8_t *rows[DG];
+/* The coefficients of a group's first G rows as quads' words: cw[m * DB + j] holds rows 4m ..
+   4m + 3's int8 coefficients of sub-block bc + j (rows past G: 0), the dot product's signed
+   operand broadcast against four rows' bytes. */
+static void quad_words(const int16_t *cq, int64_t G, int64_t nbc, int32_t *cw) {
     const __m256i pair = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
                                           0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-    int64_t nq = (G + 3) / 4;
-    for (int64_t i = 0; i < 4 * nq; i++) rows[i] = wr[i < G ? i : 0];
-    for (int64_t m = 0; m < nq; m++)
+    for (int64_t m = 0; m < (G + 3) / 4; m++)
         for (int64_t j = 0; j < nbc; j += 16) { /* rows 4m .. 4m + 3, sub-blocks j .. j + 15 */
             __m256i r[4];
             for (int q = 0; q < 4; q++)
@@ -440,6 +435,18 @@ static void axpy_q4_quads(const uint8_t *const *wr, int64_t G, const int16_t *cq
             _mm256_storeu_si256((__m256i *)(cw + m * DB + j), _mm256_permute2x128_si256(v0, v1, 0x20));
             _mm256_storeu_si256((__m256i *)(cw + m * DB + j + 8), _mm256_permute2x128_si256(v0, v1, 0x31));
         }
+}
+
+static void axpy_q4_quads(const uint8_t *const *wr, int64_t G, const int16_t *cq,
+                          const float *s, const int32_t *cs, const float *kb, int64_t bc,
+                          int64_t nbc, float *y, const uint8_t *pf, const uint8_t *hd,
+                          int64_t ldw, int64_t ldh, const int32_t *idx, int64_t g0, int64_t k) {
+    enum { NQ = DG / 4 };
+    int32_t cw[NQ * DB]; /* quad m's coefficient word of sub-block bc + j at [m * DB + j] */
+    const uint8_t *rows[DG];
+    int64_t nq = (G + 3) / 4;
+    for (int64_t i = 0; i < 4 * nq; i++) rows[i] = wr[i < G ? i : 0];
+    quad_words(cq, G, nbc, cw);
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t b = bc; b < bc + nbc; b += 2) { /* sub-blocks b (low nibbles), b + 1 (high) */
         __m256i lo[4], hi[4]; /* lane l of [t]: positions 4t + l (l < 4), 16 + 4t + l - 4 */

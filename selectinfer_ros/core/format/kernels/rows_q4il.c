@@ -12,17 +12,51 @@
    16 x 128 bytes (a last partial one 16 x its rows' bytes): the group holds its 16 rows' bytes,
    at the same place.
 
-   Heads, decoded at load, per group and super-block (IL_HEAD bytes): d[16], dmin[16] (float16),
-   then sc[8][16] and m[8][16] (the 6-bit scales and minimums of sub-block j, row r at [j][r]).
+   Heads per group and super-block (IL_HEAD bytes, the rows' own 16 each): d[16], dmin[16]
+   (float16), then the 12 bytes of packed 6-bit scales and minimums as planes [12][16] (row r's
+   byte b at [b][r]), which il_scales unpacks for 16 rows at once (llama.cpp's get_scale_min_k4
+   on 16 bytes).
 
      y[r] = sum_s d[r] sum_j xd[j] sc[j][r] sum_i q[r, i] xq[i] - dmin[r] sum_j xd[j] xs[j] m[j][r]
 
    The same sums as q4_row, in another order: the results agree to float rounding. */
 #define IL 16                  /* rows per group */
-#define IL_HEAD (IL * (4 + 16)) /* head bytes per group and super-block */
+#define IL_HEAD (IL * Q4_HEAD) /* head bytes per group and super-block */
 
 /* Head bytes of a group over K columns. */
 static inline int64_t il_head_bytes(int64_t K) { return (K + Q4_SB - 1) / Q4_SB * IL_HEAD; }
+
+/* Row r's 6-bit scale (*sc) and minimum (*mn) of sub-block j from a super-block's head planes
+   (pl: 12 planes of IL bytes), the reference. */
+static inline void il_scale_min(const uint8_t *pl, int r, int j, uint8_t *sc, uint8_t *mn) {
+    if (j < 4) {
+        *sc = pl[j * IL + r] & 63;
+        *mn = pl[(4 + j) * IL + r] & 63;
+    } else {
+        uint8_t q = pl[(4 + j) * IL + r]; /* plane 8 + (j - 4) */
+        *sc = (uint8_t)((q & 15) | ((pl[(j - 4) * IL + r] >> 6) << 4));
+        *mn = (uint8_t)((q >> 4) | ((pl[j * IL + r] >> 6) << 4));
+    }
+}
+
+#if defined(SI_AVX2) || defined(SI_AVX512)
+/* The 16 rows' scales (*sc) and minimums (*mn) of sub-block j, a byte each, from the planes. */
+static inline void il_scales(const uint8_t *pl, int j, __m128i *sc, __m128i *mn) {
+    const __m128i m6 = _mm_set1_epi8(63);
+    if (j < 4) {
+        *sc = _mm_and_si128(_mm_loadu_si128((const __m128i *)(pl + j * IL)), m6);
+        *mn = _mm_and_si128(_mm_loadu_si128((const __m128i *)(pl + (4 + j) * IL)), m6);
+        return;
+    }
+    const __m128i q = _mm_loadu_si128((const __m128i *)(pl + (4 + j) * IL));
+    const __m128i hs = _mm_loadu_si128((const __m128i *)(pl + (j - 4) * IL));
+    const __m128i hm = _mm_loadu_si128((const __m128i *)(pl + j * IL));
+    const __m128i m4 = _mm_set1_epi8(15), top = _mm_set1_epi8(0x30); /* bits 6, 7 -> 4, 5 */
+    *sc = _mm_or_si128(_mm_and_si128(q, m4), _mm_and_si128(_mm_srli_epi16(hs, 2), top));
+    *mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q, 4), m4),
+                       _mm_and_si128(_mm_srli_epi16(hm, 2), top));
+}
+#endif
 
 /* y[0, 16) = the group's rows (w: nibbles, h: heads) against one activation row (xq, xd, xs as
    quantize_blocks makes them, K columns). */
@@ -61,11 +95,13 @@ static void il_group(const uint8_t *w, const uint8_t *h, int64_t K, const int8_t
 #endif
             }
             int64_t j0 = 8 * s + 2 * p;
-            const uint8_t *sc = h + 64 + 2 * p * IL, *mn = h + 64 + 8 * IL + 2 * p * IL;
-            __m512 s0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sc)));
-            __m512 s1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + IL))));
-            __m512 m0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)mn)));
-            __m512 m1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mn + IL))));
+            __m128i sc0, mn0, sc1, mn1;
+            il_scales(h + 4 * IL, (int)(2 * p), &sc0, &mn0);
+            il_scales(h + 4 * IL, (int)(2 * p + 1), &sc1, &mn1);
+            __m512 s0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc0));
+            __m512 s1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc1));
+            __m512 m0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn0));
+            __m512 m1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn1));
             sacc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), s0),
                                    _mm512_set1_ps(xd[j0]), sacc);
             sacc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)), s1),
@@ -112,11 +148,17 @@ static void il_group(const uint8_t *w, const uint8_t *h, int64_t K, const int8_t
 #endif
                 }
                 int64_t j0 = 8 * s + 2 * p;
-                const uint8_t *sc = hh + 64 + 2 * p * IL + 8 * half, *mn = sc + 8 * IL;
-                __m256 s0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
-                __m256 s1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + IL))));
-                __m256 m0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
-                __m256 m1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + IL))));
+                __m128i sc0, mn0, sc1, mn1;
+                il_scales(hh + 4 * IL, (int)(2 * p), &sc0, &mn0);
+                il_scales(hh + 4 * IL, (int)(2 * p + 1), &sc1, &mn1);
+                if (half) { /* rows 8 .. 15: the upper 8 bytes */
+                    sc0 = _mm_srli_si128(sc0, 8), mn0 = _mm_srli_si128(mn0, 8);
+                    sc1 = _mm_srli_si128(sc1, 8), mn1 = _mm_srli_si128(mn1, 8);
+                }
+                __m256 s0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc0));
+                __m256 s1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc1));
+                __m256 m0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn0));
+                __m256 m1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn1));
                 sacc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)), s0),
                                        _mm256_set1_ps(xd[j0]), sacc);
                 sacc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(b0, b1)), s1),
@@ -150,10 +192,12 @@ static void il_group(const uint8_t *w, const uint8_t *h, int64_t K, const int8_t
                         b += (int32_t)(q >> 4) * x1[4 * c + i];
                     }
                 int64_t j0 = 8 * s + 2 * p;
-                const uint8_t *sc = h + 64 + 2 * p * IL, *mn = sc + 8 * IL;
-                sacc += (float)a * (float)sc[r] * xd[j0] + (float)b * (float)sc[IL + r] * xd[j0 + 1];
-                macc += (float)mn[r] * (xd[j0] * (float)xs[j0]) +
-                        (float)mn[IL + r] * (xd[j0 + 1] * (float)xs[j0 + 1]);
+                uint8_t sc0, mn0, sc1, mn1;
+                il_scale_min(h + 4 * IL, r, (int)(2 * p), &sc0, &mn0);
+                il_scale_min(h + 4 * IL, r, (int)(2 * p + 1), &sc1, &mn1);
+                sacc += (float)a * (float)sc0 * xd[j0] + (float)b * (float)sc1 * xd[j0 + 1];
+                macc += (float)mn0 * (xd[j0] * (float)xs[j0]) +
+                        (float)mn1 * (xd[j0 + 1] * (float)xs[j0 + 1]);
             }
             y[r] += sacc * half_to_float(hd16[0]) - macc * half_to_float(hd16[1]);
         }

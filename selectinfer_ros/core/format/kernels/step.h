@@ -70,6 +70,8 @@ typedef struct {
        tiered: its output is the sum of both products, each over its own active prefix */
     const uint8_t *rec;
     int64_t rec_ld, rec_active;
+    int64_t rec_grouped; /* 1: the records held in groups of 32 slots (rows_q4g.c; rec_ld
+                            unused): prefix selection only */
     int64_t token; /* 1: per-token selection over all n_active slots (int8: gate and up rows
                       planar, gu and up; down neuron-major [n_active, H] at row stride down_ld) */
     float gate_thr, act_thr; /* token: |act(gate)| a candidate clears, |act(gate) * up| a kept
