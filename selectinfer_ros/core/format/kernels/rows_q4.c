@@ -410,6 +410,22 @@ static inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+/* dpbusd256 where at most 8 steps sum into one accumulator (the groups' products: rows_q4il.c,
+   rows_q4g.c): without a dot-product instruction the byte pairs' products are summed in 16-bit
+   lanes (8 x 2 x 15 x 128 < 2^15) and widened to dpbusd256's 32-bit sums once, by dp_short_sum:
+   one instruction less a step, the same integers. */
+#if defined(SI_VNNI512) || defined(SI_AVXVNNI)
+static inline __m256i dp_short(__m256i acc, __m256i u, __m256i s) { return dpbusd256(acc, u, s); }
+static inline __m256i dp_short_sum(__m256i acc) { return acc; }
+#else
+static inline __m256i dp_short(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
+}
+static inline __m256i dp_short_sum(__m256i acc) {
+    return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+}
+#endif
+
 /* axpy_q4_group's sums with the dot-product instruction: four rows at a time (a quad), their
    bytes at each position interleaved into 32-bit lanes (two byte and two word unpacks), times
    the quad's four int8 coefficients of the sub-block broadcast: each lane sums four rows, no

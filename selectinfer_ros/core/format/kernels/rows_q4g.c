@@ -179,8 +179,8 @@ static void axpy_q4g(const uint8_t *d, int64_t G, const int16_t *cq, const float
             __m256i c1 = _mm256_set1_epi32(cw[m * DB + (b - bc) + 1]);
             for (int t = 0; t < 4; t++) {
                 __m256i A = _mm256_loadu_si256((const __m256i *)(wp + m * 128 + 32 * t));
-                lo[t] = dpbusd256(lo[t], _mm256_and_si256(A, low), c0);
-                hi[t] = dpbusd256(hi[t], _mm256_and_si256(_mm256_srli_epi16(A, 4), low), c1);
+                lo[t] = dp_short(lo[t], _mm256_and_si256(A, low), c0); /* nq <= 8 steps */
+                hi[t] = dp_short(hi[t], _mm256_and_si256(_mm256_srli_epi16(A, 4), low), c1);
             }
         }
         for (int h = 0; h < 2; h++) {
@@ -189,7 +189,7 @@ static void axpy_q4g(const uint8_t *d, int64_t G, const int16_t *cq, const float
             __m256 sc = _mm256_set1_ps(s[b - bc + h]), kc = _mm256_set1_ps(kb[b - bc + h]);
             for (int t = 0; t < 4; t++) {
                 float *yo = y + (b + h) * QK + 8 * t;
-                __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(a[t], off));
+                __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(dp_short_sum(a[t]), off));
                 _mm256_storeu_ps(yo, _mm256_fmadd_ps(f, sc, _mm256_add_ps(_mm256_loadu_ps(yo), kc)));
             }
         }

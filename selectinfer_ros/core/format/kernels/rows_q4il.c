@@ -115,63 +115,59 @@ static void il_group(const uint8_t *w, const uint8_t *h, int64_t K, const int8_t
     }
     _mm512_storeu_ps(y, acc);
 #elif defined(SI_AVX2)
+    /* Both halves of every chunk (rows 0-7: its first 32 bytes, rows 8-15: the next) in one pass:
+       [2] arrays are [half]. */
     const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int half = 0; half < 2; half++) { /* rows 8 half .. 8 half + 7: 32 bytes of each chunk */
-        __m256 acc = _mm256_setzero_ps();
-        const uint8_t *hh = h;
-        for (int64_t s = 0; s < ns; s++, hh += IL_HEAD) {
-            int64_t np = pairs - 4 * s < 4 ? pairs - 4 * s : 4;
-            const uint8_t *ws = w + s * IL * (Q4_SB / 2) + 32 * half;
-            __m256 sacc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
-            for (int64_t p = 0; p < np; p++) {
-                const int8_t *x0 = xq + s * Q4_SB + 64 * p, *x1 = x0 + QK;
-                __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0;
-                for (int c = 0; c < 8; c += 2) {
-                    __m256i r0 = _mm256_loadu_si256((const __m256i *)(ws + (p * 8 + c) * 64));
-                    __m256i r1 = _mm256_loadu_si256((const __m256i *)(ws + (p * 8 + c + 1) * 64));
-                    int32_t v[4];
-                    memcpy(v, x0 + 4 * c, 8);
-                    memcpy(v + 2, x1 + 4 * c, 8);
-                    __m256i l0 = _mm256_and_si256(r0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), low);
-                    __m256i l1 = _mm256_and_si256(r1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), low);
-#if defined(SI_AVXVNNI)
-                    a0 = _mm256_dpbusd_avx_epi32(a0, l0, _mm256_set1_epi32(v[0]));
-                    a1 = _mm256_dpbusd_avx_epi32(a1, l1, _mm256_set1_epi32(v[1]));
-                    b0 = _mm256_dpbusd_avx_epi32(b0, h0, _mm256_set1_epi32(v[2]));
-                    b1 = _mm256_dpbusd_avx_epi32(b1, h1, _mm256_set1_epi32(v[3]));
-#else
-                    const __m256i one = _mm256_set1_epi16(1);
-                    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_maddubs_epi16(l0, _mm256_set1_epi32(v[0])), one));
-                    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_maddubs_epi16(l1, _mm256_set1_epi32(v[1])), one));
-                    b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(_mm256_maddubs_epi16(h0, _mm256_set1_epi32(v[2])), one));
-                    b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(_mm256_maddubs_epi16(h1, _mm256_set1_epi32(v[3])), one));
-#endif
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t s = 0; s < ns; s++, h += IL_HEAD) {
+        int64_t np = pairs - 4 * s < 4 ? pairs - 4 * s : 4;
+        const uint8_t *ws = w + s * IL * (Q4_SB / 2);
+        __m256 sacc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, macc[2] = {sacc[0], sacc[1]};
+        for (int64_t p = 0; p < np; p++) {
+            const int8_t *x0 = xq + s * Q4_SB + 64 * p, *x1 = x0 + QK; /* sub-blocks 2p, 2p + 1 */
+            __m256i a[2], b[2]; /* low nibbles x sub-block 2p, high x 2p + 1 */
+            a[0] = a[1] = b[0] = b[1] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                int32_t v0, v1;
+                memcpy(&v0, x0 + 4 * c, 4);
+                memcpy(&v1, x1 + 4 * c, 4);
+                __m256i c0 = _mm256_set1_epi32(v0), c1 = _mm256_set1_epi32(v1);
+                for (int hf = 0; hf < 2; hf++) {
+                    __m256i r = _mm256_loadu_si256((const __m256i *)(ws + (p * 8 + c) * 64 + 32 * hf));
+                    a[hf] = dp_short(a[hf], _mm256_and_si256(r, low), c0);
+                    b[hf] = dp_short(b[hf], _mm256_and_si256(_mm256_srli_epi16(r, 4), low), c1);
                 }
-                int64_t j0 = 8 * s + 2 * p;
-                __m128i sc0, mn0, sc1, mn1;
-                il_scales(hh + 4 * IL, (int)(2 * p), &sc0, &mn0);
-                il_scales(hh + 4 * IL, (int)(2 * p + 1), &sc1, &mn1);
-                if (half) { /* rows 8 .. 15: the upper 8 bytes */
-                    sc0 = _mm_srli_si128(sc0, 8), mn0 = _mm_srli_si128(mn0, 8);
-                    sc1 = _mm_srli_si128(sc1, 8), mn1 = _mm_srli_si128(mn1, 8);
-                }
+            }
+            int64_t j0 = 8 * s + 2 * p;
+            __m128i sc0, mn0, sc1, mn1;
+            il_scales(h + 4 * IL, (int)(2 * p), &sc0, &mn0);
+            il_scales(h + 4 * IL, (int)(2 * p + 1), &sc1, &mn1);
+            const __m256 x0d = _mm256_set1_ps(xd[j0]), x1d = _mm256_set1_ps(xd[j0 + 1]);
+            const __m256 x0m = _mm256_set1_ps(xd[j0] * (float)xs[j0]);
+            const __m256 x1m = _mm256_set1_ps(xd[j0 + 1] * (float)xs[j0 + 1]);
+            for (int hf = 0; hf < 2; hf++) { /* rows 8 hf .. 8 hf + 7: bytes 8 hf .. of the heads */
                 __m256 s0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc0));
                 __m256 s1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc1));
                 __m256 m0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn0));
                 __m256 m1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn1));
-                sacc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)), s0),
-                                       _mm256_set1_ps(xd[j0]), sacc);
-                sacc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(b0, b1)), s1),
-                                       _mm256_set1_ps(xd[j0 + 1]), sacc);
-                macc = _mm256_fmadd_ps(m0, _mm256_set1_ps(xd[j0] * (float)xs[j0]), macc);
-                macc = _mm256_fmadd_ps(m1, _mm256_set1_ps(xd[j0 + 1] * (float)xs[j0 + 1]), macc);
+                sacc[hf] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dp_short_sum(a[hf])), s0),
+                                           x0d, sacc[hf]);
+                sacc[hf] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dp_short_sum(b[hf])), s1),
+                                           x1d, sacc[hf]);
+                macc[hf] = _mm256_fmadd_ps(m0, x0m, macc[hf]);
+                macc[hf] = _mm256_fmadd_ps(m1, x1m, macc[hf]);
+                sc0 = _mm_srli_si128(sc0, 8), mn0 = _mm_srli_si128(mn0, 8);
+                sc1 = _mm_srli_si128(sc1, 8), mn1 = _mm_srli_si128(mn1, 8);
             }
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hh + 16 * half)));
-            __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hh + 2 * IL + 16 * half)));
-            acc = _mm256_fnmadd_ps(macc, dm, _mm256_fmadd_ps(sacc, d, acc));
         }
-        _mm256_storeu_ps(y + 8 * half, acc);
+        for (int hf = 0; hf < 2; hf++) {
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 16 * hf)));
+            __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 2 * IL + 16 * hf)));
+            acc[hf] = _mm256_fnmadd_ps(macc[hf], dm, _mm256_fmadd_ps(sacc[hf], d, acc[hf]));
+        }
     }
+    _mm256_storeu_ps(y, acc[0]);
+    _mm256_storeu_ps(y + 8, acc[1]);
 #else
     for (int r = 0; r < IL; r++) y[r] = 0.0f;
     for (int64_t s = 0; s < ns; s++, h += IL_HEAD) {
