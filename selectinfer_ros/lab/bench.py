@@ -326,8 +326,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                    threads) for p in peers]
     q8 = next((r for r in rows if r["name"] == "llama.cpp Q8_0"), None)
     q4 = next((r for r in rows if r["name"] == "llama.cpp Q4_K_M"), None)
+    from ..core.format.kernel import cpu_description
+    cpu = cpu_description()  # the CPU and our kernel's path: every figure names them
     for row in rows:
         row["memory_bandwidth_bytes_per_second"] = bw
+        row["cpu"] = cpu
         if q8 is not None:
             row["vs_llama_cpp_q8_0"] = row["decode_tokens_per_second"] / q8["decode_tokens_per_second"]
         if q4 is not None:
@@ -474,6 +477,8 @@ def print_table(rows: list[dict]) -> None:
               f"{_cell(r, 'load_seconds', '.2f', 8)}{shares:>15}"
               + (_cell(r, "vs_llama_cpp_q8_0", ".2f", 11) if q8 else "")
               + (_cell(r, "vs_llama_cpp_q4_k_m", ".2f", 11) if q4 else ""))
+    if rows[0].get("cpu"):
+        print(f"CPU: {rows[0]['cpu']}, {rows[0]['threads']} thread(s)")
     bw = rows[0].get("memory_bandwidth_bytes_per_second")
     if bw:
         print(f"memory bandwidth (measured read): {bw / 1e9:.1f} GB/s; 'of ceil' = decode tok/s over "

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from selectinfer_ros.core.format.kernel import cpu_description
 from selectinfer_ros.lab.textmetrics import chrf, exact_match, rouge_l
 
 
@@ -24,6 +25,8 @@ def test_bench_quick_writes_json_and_plot(tiny_models, tiny_profiles, tmp_path):
     rows = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench_speed_vs_memory.png").stat().st_size > 10_000
     assert "decode tok/s" in out.stdout
+    assert {r["cpu"] for r in rows} == {cpu_description()} and "kernel " in rows[0]["cpu"]
+    assert f"CPU: {cpu_description()}, 1 thread(s)" in out.stdout
     names = [r["name"] for r in rows]
     assert names[0] == "dense" and "selectinfer 0.7/0.5" in names and "int8 weight-only" in names
     dense = rows[0]
