@@ -508,6 +508,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench.json").write_text(json.dumps(rows, indent=2) + "\n")
         tradeoff_plot(rows, "decode_tokens_per_second", "decode tokens/s", out / "bench_speed_vs_memory.png",
-                      title=f"{rows[0]['model']}: decode speed vs resident weights")
+                      title=f"{rows[0]['model']}: decode speed vs resident weights\n"
+                            f"{rows[0]['cpu']}, {rows[0]['threads']} thread(s)")
         print(f"wrote {out / 'bench.json'} and {out / 'bench_speed_vs_memory.png'}")
     return 0

@@ -1,6 +1,7 @@
 """Trade-off plots: one point per configuration, a metric against resident weight memory."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 MARKERS = {"dense": "s", "hf_generate": "D", "selectinfer": "o", "int8": "^", "int4": "v",
@@ -28,7 +29,7 @@ def tradeoff_plot(rows: list[dict], y_key: str, y_label: str, path: str | Path, 
                     fontsize=7)
     ax.set_xlabel("resident weights (MiB)")
     ax.set_ylabel(y_label)
-    ax.set_title(title)
+    ax.set_title("\n".join(textwrap.fill(line, 80) for line in title.splitlines()), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
