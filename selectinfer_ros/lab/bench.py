@@ -328,6 +328,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     q4 = next((r for r in rows if r["name"] == "llama.cpp Q4_K_M"), None)
     from ..core.format.kernel import cpu_description
     cpu = cpu_description()  # the CPU and our kernel's path: every figure names them
+    if torch.device(args.device).type == "cuda":  # the kernel is not used there: name the GPU
+        cpu = f"{torch.cuda.get_device_name(torch.device(args.device))} (CUDA); host {cpu}"
     for row in rows:
         row["memory_bandwidth_bytes_per_second"] = bw
         row["cpu"] = cpu
