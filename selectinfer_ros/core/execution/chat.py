@@ -356,45 +356,77 @@ def _call_schema(tool: Tool) -> dict:
     return root
 
 
+# The forms in which a model begins a call under ``tool_choice`` auto besides its template's own
+# ``<tool_call>`` token: an opening text and the text that closes the call. A call begun in any of
+# them is completed under the call grammar (the opener acts as a lazy grammar's trigger); an
+# answer that starts with ``{`` is a bare call. Measured on BFCL with Qwen2.5-Coder 1.5B (plain
+# transformers, dense float; docs/results/tool-calls.md): the forms it writes its calls in.
+CALL_FORMS: tuple[tuple[str, str], ...] = (
+    (CALL_OPEN, CALL_CLOSE), ("<tools>", "</tools>"), ("<function_call>", "</function_call>"),
+    ("<response>", "</response>"), ("<json>", "</json>"), ("```", "```"))
+
+
+def _lark_regex(text: str) -> str:
+    return "".join("\\" + c if c in "\\/.^$*+?()[]{}|-" else c for c in text)
+
+
 def tool_grammar(chat: Chat, fmt: ToolFormat) -> str | None:
-    """The Lark grammar (llguidance's) of an answer to ``chat``, or None when it has no tools."""
+    """The Lark grammar (llguidance's) of an answer to ``chat``, or None when it has no tools.
+
+    ``required`` and a named tool: one call in the template's format. ``auto``: a text answer (one
+    that holds none of the :data:`CALL_FORMS` openers and does not start with ``{``), or one call
+    begun in any of those forms (after text, or a bare JSON object at the start), completed under
+    the call grammar and closed by the form's closer. ``none``: text only."""
     if not chat.tools:
         return None
     opener, closer = (("<tool_call>", "</tool_call>") if fmt.call_token
                       else (json.dumps(CALL_OPEN), json.dumps(CALL_CLOSE)))
-    # text that does not start with a call (the default format's call is text too), nor with
-    # "{" or "```": a call written without its markers (Qwen2.5-Coder 1.5B, asked a question in
-    # auto, wrote '{{"name": "say", ...' and '```json\n{"name": ...' as text)
-    lines = ['TEXT: /(?s:.+)/ & ~/[ \\t\\r\\n]*(<tool_call>|\\{|```)(?s:.*)/']
+    triggers = "|".join(_lark_regex(o) for o, _ in CALL_FORMS)
+    # TEXT: no call opener anywhere, not starting with "{" (nor, for none, a code fence)
+    text = f'TEXT: /(?s:.+)/ & ~/(?s:.*)({triggers})(?s:.*)/ & ~/[ \\t\\r\\n]*\\{{(?s:.*)/'
     if chat.tool_choice == "none":
-        return "start: TEXT\n" + lines[0] + "\n"
+        return "start: TEXT\n" + text + "\n"
     tools = [t for t in chat.tools if chat.tool_choice in ("auto", "required", t.name)]
-    start = "start: TEXT | call" if chat.tool_choice == "auto" else "start: call"
-    lines = [start, "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))] + [
-        f'call_{i}: {opener} "\\n" %json {json.dumps(_call_schema(t), ensure_ascii=False)} "\\n" '
-        f'{closer}' for i, t in enumerate(tools)] + lines
-    return "\n".join(lines) + "\n"
+    lines = ["json_call: " + " | ".join(f"call_{i}" for i in range(len(tools)))] + [
+        f'call_{i}: %json {json.dumps(_call_schema(t), ensure_ascii=False)}'
+        for i, t in enumerate(tools)]
+    native = f'{opener} "\\n" json_call "\\n" {closer}'
+    if chat.tool_choice != "auto":
+        return "\n".join(["start: " + native] + lines) + "\n"
+    forms = [f"TEXT? {native}"] if fmt.call_token else []
+    for i, (o, c) in enumerate(CALL_FORMS):  # lazy: the lead ends with the opener's first match
+        lang = '"json"? ' if o == "```" else ""  # a fence names its language or not
+        forms.append(f"lead_{i} {lang}WS? json_call WS? {json.dumps(c)}")
+        lines += [f"lead_{i}[lazy]: LEAD_{i}",
+                  f"LEAD_{i}: /(?s:.*){_lark_regex(o)}/ & ~/[ \\t\\r\\n]*\\{{(?s:.*)/"]
+    forms.append("WS? json_call")
+    lines += [text, "WS: /[ \\t\\r\\n]{1,4}/"]
+    return "\n".join(["start: TEXT | call", "call: " + " | ".join(forms)] + lines) + "\n"
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """The calls in an answer ``text`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
-    each); each gets an id ``call_<12 hex digits>``."""
-    calls, dec, at = [], json.JSONDecoder(), 0
-    while True:
-        start = text.find(CALL_OPEN, at)
-        if start < 0:
-            return calls
-        body = start + len(CALL_OPEN)
-        body += len(text[body:]) - len(text[body:].lstrip())
-        try:
-            value, end = dec.raw_decode(text, body)
-        except ValueError:
-            return calls
-        if isinstance(value, dict) and isinstance(value.get("name"), str):
-            args = value.get("arguments", {})
-            calls.append(ToolCall(value["name"], json.dumps(args, ensure_ascii=False),
-                                  f"call_{uuid.uuid4().hex[:12]}"))
-        at = end
+    """The call in an answer ``text``: the JSON object ``{"name": ..., "arguments": ...}`` after
+    the first opener of :data:`CALL_FORMS`, or at the start; its id is ``call_<12 hex digits>``.
+    An answer holds at most one call (:func:`tool_grammar`); none: a text answer."""
+    starts = [(i + len(o), o) for o, _ in CALL_FORMS if (i := text.find(o)) >= 0]
+    if starts:
+        at = min(starts)[0]
+    elif text.lstrip().startswith("{"):
+        at = len(text) - len(text.lstrip())
+    else:
+        return []
+    if text.startswith("json", at) and text[at - 3:at] == "```":
+        at += 4  # a fence's language
+    at += len(text[at:]) - len(text[at:].lstrip())
+    try:
+        value, _ = json.JSONDecoder().raw_decode(text, at)
+    except ValueError:
+        return []
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return []
+    args = value.get("arguments", {})
+    return [ToolCall(value["name"], json.dumps(args, ensure_ascii=False),
+                     f"call_{uuid.uuid4().hex[:12]}")]
 
 
 def messages_file(value: Any) -> Chat:

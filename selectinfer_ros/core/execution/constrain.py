@@ -35,6 +35,8 @@ CACHE_SIZE = 32  # compiled constraints kept (by content)
 MAX_SOURCE_CHARS = 64 * 1024  # a longer schema or grammar is refused before compiling
 TOKENIZER_WAIT_SECONDS = 60.0  # a check waits this long for the vocabulary being prepared
 KINDS = ("json_schema", "grammar")
+LOOP_MIN_SPAN = 12  # tokens: a loop is a span repeated >= 3 times over at least this many tokens
+LOOP_MAX_PERIOD = 48  # the longest repeated span looked for (tokens)
 # JSON answers without whitespace between tokens: fewer tokens, and a model cannot ramble in
 # whitespace; llguidance's parser limits keep one mask step bounded
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -112,6 +114,7 @@ class Grammars:
         self._started = False
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="selectinfer-grammar")
         self.compile_times: collections.deque[float] = collections.deque(maxlen=1000)
+        self._closer: Closer | None = None
 
     # ---- the vocabulary --------------------------------------------------------------------
     def prepare(self) -> None:
@@ -206,7 +209,15 @@ class Grammars:
 
     def constraint(self, kind: str, source: str) -> "Constraint":
         """A fresh request state for the ``kind`` constraint ``source``."""
-        return Constraint(self.compile(kind, source).matcher.deep_copy(), self.vocab_size)
+        return Constraint(self.compile(kind, source).matcher.deep_copy(), self.vocab_size,
+                          self.closer())
+
+    def closer(self) -> "Closer":
+        """The shortest-completion search of this tokenizer (built once)."""
+        with self._lock:
+            if self._closer is None:
+                self._closer = Closer(self.tokenizer, self.vocab_size, self.eos_ids)
+            return self._closer
 
 
 def _first_line(text: str, limit: int = 300) -> str:
@@ -233,9 +244,11 @@ def _build_matcher(lltok, text: str, vocab_size: int):
 class Constraint:
     """One request's grammar state and its mask buffers (allocated once per request)."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, closer: "Closer | None" = None):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.closer = closer
+        self.close_seconds = 0.0  # time spent searching closing paths (the budget's tracking)
         words = (vocab_size + 31) // 32
         self._bits = np.zeros(words, dtype=np.int32)  # llguidance's mask: bit set = allowed
         self._forbidden_bits = np.zeros(words, dtype=np.int32)
@@ -289,3 +302,179 @@ class Constraint:
     def accepting(self) -> bool:
         """The text so far is a complete answer under the grammar."""
         return bool(self.matcher.is_accepting())
+
+    def closing_path(self, limit: int, after: int | None = None) -> list[int] | None:
+        """The tokens of a short complete ending from here (after feeding ``after``, when
+        given), at most ``limit`` of them (an EOS that ends it counts), or None (none found within
+        ``limit``, or ``after`` refused). The matcher itself is not changed."""
+        if self.closer is None:
+            return None
+        t0 = time.perf_counter()
+        m = self.matcher.deep_copy()
+        path = None if after is not None and not m.consume_token(int(after)) else \
+            self.closer.path(m, limit)
+        self.close_seconds += time.perf_counter() - t0
+        return path
+
+
+# Tokens a closing path tries first, in order. Inside a string (a letter that starts no JSON
+# literal is allowed): those that end it, with the enclosing object or array where one token does
+# both; elsewhere: those that end arrays and objects, a comma (a container that cannot end yet),
+# then the shortest values (an empty string, 0, an empty array or object, null, a boolean). Keys,
+# separators and anything else the grammar forces come from llguidance's fast-forward tokens.
+IN_STRING_PROBES = ("x", "q", "z", "k")
+STRING_CLOSERS = ('"}', '"]', '"}}', '"}]', '"]}', '"')
+CLOSERS = ('}}', '}]', ']}', ']]', '}', ']', ',', '""', '0', '[]', '{}', 'null', 'true', 'false', '"',
+           '1', '[', '{')
+# Where none of those is allowed (a string with a pattern or a minimum length, an enum, a
+# number with a minimum): one-character pieces, then the lowest allowed token.
+FALLBACK_PIECES = tuple("a0A1-_x.:/ ") + tuple("bcdefghijklmnopqrstuvwyz23456789")
+
+
+class Closer:
+    """Short complete endings of a constrained answer, for one tokenizer: from a matcher's state,
+    repeatedly take the fast-forward (forced) tokens, else EOS where the answer is complete, else
+    the first allowed of :data:`STRING_CLOSERS` (inside a string) or :data:`CLOSERS`, else of
+    :data:`FALLBACK_PIECES`, else the lowest allowed token. Greedy, so not always the shortest, but each step is one mask (tens of
+    microseconds); it bounds how many tokens an answer needs to end."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids):
+        self.vocab_size = int(vocab_size)
+        self.eos_ids = sorted(int(i) for i in eos_ids)
+
+        def single(pieces) -> list[int]:
+            out = []
+            for p in pieces:
+                ids = tokenizer(p, add_special_tokens=False)["input_ids"]
+                if len(ids) == 1 and ids[0] < self.vocab_size and ids[0] not in out:
+                    out.append(int(ids[0]))
+            return out
+        self.probes = single(IN_STRING_PROBES)
+        self.string_closers = single(STRING_CLOSERS)
+        self.closers = single(CLOSERS)
+        self.fallback = single(FALLBACK_PIECES)
+        self._bits = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
+
+    def _allowed(self, t: int) -> bool:
+        return bool((int(self._bits[t >> 5]) >> (t & 31)) & 1)
+
+    def path(self, m, limit: int) -> list[int] | None:
+        """The closing tokens from matcher ``m``'s state (``m`` is consumed), or None."""
+        out: list[int] = []
+        while len(out) <= limit:
+            if m.is_error():
+                return None
+            if m.is_stopped():
+                return out
+            ff = m.compute_ff_tokens()
+            if ff:
+                if not m.consume_tokens(ff):
+                    return None
+                out += ff
+                continue
+            m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+            if m.is_error():
+                return None
+            eos = next((e for e in self.eos_ids if e < self.vocab_size and self._allowed(e)), None)
+            if eos is not None and m.is_accepting():
+                return out + [eos] if len(out) < limit else None
+            in_string = any(self._allowed(t) for t in self.probes)
+            prefer = self.string_closers if in_string else self.closers
+            tok = next((t for t in prefer if self._allowed(t)), None)
+            if tok is None:
+                tok = next((t for t in self.fallback if self._allowed(t)), None)
+            if tok is None:
+                nz = np.flatnonzero(self._bits)
+                if not nz.size:
+                    return None
+                w = int(nz[0])
+                word = int(self._bits[w]) & 0xFFFFFFFF
+                tok = 32 * w + ((word & -word).bit_length() - 1)
+                if tok in self.eos_ids:
+                    return None
+            if not m.consume_token(tok):
+                return None
+            out.append(tok)
+        return None
+
+
+def repeating_token(ids: list[int], min_span: int = LOOP_MIN_SPAN, min_repeats: int = 3,
+                    max_period: int = LOOP_MAX_PERIOD) -> int | None:
+    """The token that would continue a loop at the end of ``ids``: for the shortest period p
+    (1 to ``max_period``) such that the last p * r tokens are one span of p tokens repeated r >=
+    ``min_repeats`` times and p * r >= ``min_span``, the token that repeats next (``ids[-p]``);
+    None when the end does not loop."""
+    n = len(ids)
+    for p in range(1, min(max_period, n // min_repeats) + 1):
+        reps = max(min_repeats, -(-min_span // p))
+        span = p * reps
+        if span > n:
+            continue
+        tail = ids[n - span:]
+        if all(tail[i] == tail[i - p] for i in range(p, span)):
+            return ids[-p]
+    return None
+
+
+class Budget:
+    """Keeps a constrained answer able to end within its token budget: while the tokens left are
+    more than a closing path needs (plus :data:`SLACK`), the model's token stands and the path is
+    measured again every :data:`EVERY` tokens; nearer the end, each token of the model's is kept
+    only if a closing path still fits after it, else the path's next token is taken instead (the
+    answer is *closed early*: strings, arrays and objects ended, required fields given their
+    shortest values). Where no closing path fits from the start (the grammar's shortest answer
+    is longer than the budget), the answer is cut off as before."""
+
+    SLACK = 24  # tokens of margin before every token is checked
+    EVERY = 16  # tokens between measurements while far from the end
+
+    def __init__(self, constraint: Constraint):
+        self.c = constraint
+        self.plan: list[int] | None = None  # a closing path from the current state
+        self.need: int | None = None  # its length when last measured
+        self.checked = -self.EVERY  # token count at the last measurement
+        self.forced = 0  # tokens taken from a closing path instead of the model's
+        self.seconds: list[float] = []  # per token: the time this tracking took
+
+    @property
+    def closed_early(self) -> bool:
+        return self.forced > 0
+
+    def choose(self, tok: int, remaining: int, n: int) -> int:
+        """The token to emit instead of the model's ``tok`` (usually ``tok`` itself), with
+        ``remaining`` tokens left in the budget (this one included) after ``n`` generated."""
+        t0 = time.perf_counter()
+        try:
+            return self._choose(tok, remaining, n)
+        finally:
+            self.seconds.append(time.perf_counter() - t0)
+
+    def _choose(self, tok: int, remaining: int, n: int) -> int:
+        c = self.c
+        if self.plan is None:
+            due = n - self.checked >= self.EVERY
+            if not due and (self.need is None or remaining > self.need + self.SLACK):
+                return tok
+            self.checked = n
+            self.plan = c.closing_path(remaining)
+            self.need = None if self.plan is None else len(self.plan)
+            if self.plan is None:
+                return tok  # no ending fits (or none found): nothing to keep
+        plan = self.plan
+        if remaining > len(plan) + self.SLACK:  # far from the end: measured again later
+            self.plan = None
+            return tok
+        if plan and tok == plan[0]:
+            self.plan = plan[1:]
+            self.need = len(self.plan)
+            return tok
+        after = c.closing_path(remaining - 1, after=tok)
+        if after is not None:
+            self.plan, self.need = after, len(after)
+            return tok
+        if not plan:
+            return tok  # complete already (an EOS-less end): the mask decides
+        self.forced += 1
+        self.plan = plan[1:]
+        self.need = len(self.plan)
+        return plan[0]

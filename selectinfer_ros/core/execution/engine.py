@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from .chat import Chat, ToolFormat, parse_tool_calls, render
 from .chat import tool_format as detect_tool_format
-from .constrain import Constraint, Grammars
+from .constrain import Budget, Constraint, Grammars, repeating_token
 from .decode import Decoder, unsupported
 from .metrics import RequestMetrics
 from .prompt_cache import MIN_REUSE_TOKENS, MIN_SUFFIX, Entry, PromptCache, chunk_end
@@ -89,12 +89,16 @@ GREEDY_BELOW = 1e-3
 class GenerationResult:
     text: str
     finish_reason: str  # stop, length, context_length (the context window ended it), canceled;
-    # grammar: a constrained answer is complete (the schema's or grammar's end, or EOS there)
+    # grammar: a constrained answer is complete (the schema's or grammar's end, or EOS there);
+    # closed: complete, ended early (closing tokens chosen) to fit max_new_tokens
     token_ids: list[int]
     metrics: RequestMetrics
     parsed: bool = False  # a constrained answer that is complete under its schema or grammar
     mask_seconds: float = 0.0  # time spent computing and applying the grammar's token masks
     tool_calls: list = field(default_factory=list)  # a chat with tools: the calls (chat.ToolCall)
+    closed_early: bool = False  # constrained: complete, ended early to fit max_new_tokens
+    loops_broken: int = 0  # constrained: steps where a repeating span was kept from repeating
+    budget_seconds: list = field(default_factory=list)  # per token: the budget tracking's time
 
 
 PROMPT_SLOT = "\x00selectinfer-prompt\x00"  # where the prompt goes in a rendered chat template
@@ -823,6 +827,10 @@ class Stream:
         constrained = config.constraint  # compiled (or from the cache) before the model runs
         self.constraint: Constraint | None = (engine.grammars.constraint(*constrained)
                                               if constrained is not None else None)
+        # a constrained answer ends complete within max_new tokens where its grammar allows
+        self.budget = (Budget(self.constraint) if self.constraint is not None
+                       and not config.ignore_eos else None)
+        self.loops_broken = 0  # steps where a repeating span was not allowed to repeat again
         self.config, self.max_new, self.metrics, self.gen = config, max_new, metrics, gen
         self.on_text, self.cancel, self.t0 = on_text, cancel, t0
         self.eos_ids = engine.eos_ids
@@ -848,11 +856,29 @@ class Stream:
         c = self.constraint
         if c is not None:
             c.mask_logits(logits)
+            self._break_loop(logits)
         tok = (greedy_token(logits) if self.greedy
                else Engine._sample(logits, self.config, self.history, self.gen))
+        if self.budget is not None and tok not in self.eos_ids:
+            n = len(self.detok.ids)
+            tok = self.budget.choose(tok, self.max_new - n, n)
         if c is not None and tok not in self.eos_ids:
             c.advance(tok)
         return tok
+
+    def _break_loop(self, logits: torch.Tensor) -> None:
+        """A constrained answer whose end repeats one span (:func:`.constrain.repeating_token`):
+        the token that would repeat it again is forbidden this step, unless it is the only one
+        the grammar allows."""
+        t = repeating_token(self.detok.ids)
+        if t is None or t >= logits.shape[-1] or not math.isfinite(float(logits[t])):
+            return
+        keep = float(logits[t])
+        logits[t] = float("-inf")
+        if math.isinf(float(logits.max())):
+            logits[t] = keep
+            return
+        self.loops_broken += 1
 
     def advance(self, logits: torch.Tensor) -> bool:
         """The token after ``logits`` ``[V]``; True when the request is done."""
@@ -902,11 +928,16 @@ class Stream:
             text = text[:self.emitted]  # what the client has seen; held-back text stays unsaid
         if self.on_text is not None and len(text) > self.emitted and finish != "canceled":
             self.on_text(text[self.emitted:], len(new_ids))
-        c = self.constraint
+        c, budget = self.constraint, self.budget
         calls, parsed = [], finish == "grammar"
+        closed = parsed and budget is not None and budget.closed_early
+        if closed:
+            finish = "closed"  # complete, but ended early to fit max_new_tokens
         if self.config.tool_calls and parsed:  # complete: calls, or a text answer (auto, none)
             calls = parse_tool_calls(self._tokenizer.decode(new_ids, skip_special_tokens=False))
-            finish = "tool_calls" if calls else "stop"
+            finish = "tool_calls" if calls else ("closed" if closed else "stop")
         return GenerationResult(text, finish, list(new_ids), m, parsed=parsed,
-                                mask_seconds=c.mask_seconds if c else 0.0, tool_calls=calls)
+                                mask_seconds=c.mask_seconds if c else 0.0, tool_calls=calls,
+                                closed_early=closed, loops_broken=self.loops_broken,
+                                budget_seconds=budget.seconds if budget else [])
 
