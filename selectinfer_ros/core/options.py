@@ -231,6 +231,13 @@ class NodeSettings(ModelOptions):
                                         "<end_of_turn>, ...) are read as control tokens; false: "
                                         "as plain text (the chat template still inserts its "
                                         "own)", runtime=True)
+    schema_lenient: bool = param(False, "json_schema goals: keywords the constraint library "
+                                 "does not implement (uniqueItems, if/then/else, "
+                                 "propertyNames, not, ...) and unknown formats are ignored and "
+                                 "oneOf is read as anyOf, instead of refusing the goal (the "
+                                 "answer may then break an ignored keyword); a schema may also "
+                                 "opt in itself with \"x-guidance\": {\"lenient\": true}",
+                                 runtime=True)
     prompt_cache_mb: float = param(256.0, "MiB of earlier prompts' keys and values kept for "
                                    "reuse: a goal that starts with the tokens of an earlier one "
                                    "(an agent's system prompt and tools, a conversation so far) "

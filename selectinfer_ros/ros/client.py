@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from rclpy.node import Node
 
-from ..core.execution.chat import Chat, ToolCall, chat_of
+from ..core.execution.chat import Chat, ToolCall, chat_of, starts_call
 from .plumbing import BURST_QOS
 from .safe_action import SafeActionClient
 
@@ -209,7 +209,7 @@ class GoalHandle:
         out = Outcome(status, r.text, int(r.error_code), r.error_msg, int(r.choice_index), r,
                       parsed=bool(r.parsed),
                       tool_calls=[ToolCall(c.name, c.arguments, c.id) for c in r.tool_calls])
-        cut_text = self._text_allowed and not r.text.lstrip().startswith(("<tool_call>", "{"))
+        cut_text = self._text_allowed and not starts_call(r.text)
         if status == STATUS_SUCCEEDED and self._constrained and not (cut_text and not r.parsed):
             if not r.parsed:
                 out.status = STATUS_CUT_OFF

@@ -404,6 +404,12 @@ def tool_grammar(chat: Chat, fmt: ToolFormat) -> str | None:
     return "\n".join(["start: TEXT | call", "call: " + " | ".join(forms)] + lines) + "\n"
 
 
+def starts_call(text: str) -> bool:
+    """Whether an answer (complete or cut off) begins a call: it holds an opener of
+    :data:`CALL_FORMS`, or starts with ``{``."""
+    return text.lstrip().startswith("{") or any(o in text for o, _ in CALL_FORMS)
+
+
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """The call in an answer ``text``: the JSON object ``{"name": ..., "arguments": ...}`` after
     the first opener of :data:`CALL_FORMS`, or at the start; its id is ``call_<12 hex digits>``.
@@ -444,5 +450,5 @@ def messages_file(value: Any) -> Chat:
 
 
 __all__ = ["Chat", "Message", "Rendered", "Tool", "ToolCall", "ToolFormat", "chat_of",
-           "goal_chat", "messages_file", "parse_tool_calls", "render", "tool_format",
+           "goal_chat", "messages_file", "parse_tool_calls", "render", "starts_call", "tool_format",
            "tool_grammar"]

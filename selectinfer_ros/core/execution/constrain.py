@@ -40,6 +40,12 @@ LOOP_MAX_PERIOD = 48  # the longest repeated span looked for (tokens)
 # JSON answers without whitespace between tokens: fewer tokens, and a model cannot ramble in
 # whitespace; llguidance's parser limits keep one mask step bounded
 JSON_OPTIONS = {"whitespace_flexible": False}
+# Lenient JSON schemas (llguidance's own options): keywords it does not implement (uniqueItems,
+# if/then/else, propertyNames, not, dependencies, ...) and unknown string formats are ignored,
+# oneOf is read as anyOf; what was ignored comes back as warnings. Such an answer may break an
+# ignored keyword: the schema's author opted in (node parameter schema_lenient, or
+# "x-guidance": {"lenient": true} in the schema itself).
+LENIENT_OPTIONS = {"lenient": True, "coerce_one_of": True}
 
 
 # llguidance's vocabularies by tokenizer (folder, size, vocabulary, EOS): a model loaded again in
@@ -71,11 +77,12 @@ class Compiled:
     kind: str
     matcher: object  # llguidance.LLMatcher in its start state
     seconds: float  # compile time (including the first mask)
+    warnings: tuple[str, ...] = ()  # what a lenient schema's compile ignored
 
 
-def grammar_text(kind: str, source: str) -> str:
-    """llguidance's grammar for a ``json_schema`` or a Lark ``grammar``; GrammarError when the
-    schema is not a JSON object."""
+def grammar_text(kind: str, source: str, lenient: bool = False) -> str:
+    """llguidance's grammar for a ``json_schema`` (``lenient``: :data:`LENIENT_OPTIONS`) or a
+    Lark ``grammar``; GrammarError when the schema is not a JSON object."""
     import llguidance
     if kind == "json_schema":
         try:
@@ -87,7 +94,8 @@ def grammar_text(kind: str, source: str) -> str:
         if isinstance(schema, bool):
             schema = {} if schema else {"not": {}}
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                schema, defaults={**JSON_OPTIONS, **(LENIENT_OPTIONS if lenient else {})})
         except ValueError as e:
             raise GrammarError(f"invalid json_schema: {e}") from None
     if kind == "grammar":
@@ -163,23 +171,27 @@ class Grammars:
         return self._lltok
 
     # ---- compiling -------------------------------------------------------------------------
-    def compile(self, kind: str, source: str) -> Compiled:
+    def compile(self, kind: str, source: str, lenient: bool = False) -> Compiled:
         """The compiled ``kind`` constraint (cached by content), or GrammarError with the reason:
-        not valid, or not compiled within ``compile_seconds`` (that verdict is cached too, so a
-        repeated costly goal is refused at once)."""
+        not valid (llguidance's reason names the keyword or construct: ``Unimplemented keys:
+        ["uniqueItems"]``, ``oneOf constraints are not supported``, ``Unknown format: regex``, an
+        unresolvable remote ``$ref``, a regex look-around, ...), or not compiled within
+        ``compile_seconds`` (that verdict is cached too, so a repeated costly goal is refused at
+        once). ``lenient`` JSON schemas: see :data:`LENIENT_OPTIONS`."""
         if kind not in KINDS:
             raise GrammarError(f"unknown constraint kind {kind!r}")
         if not source.strip():
             raise GrammarError(f"empty {kind}")
         if len(source) > MAX_SOURCE_CHARS:
             raise GrammarError(f"{kind} has {len(source)} characters; at most {MAX_SOURCE_CHARS}")
-        key = (kind, hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest())
+        lenient = bool(lenient) and kind == "json_schema"
+        key = (kind, hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest(), lenient)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
         if hit is None:
-            hit = self._compile(kind, source)
+            hit = self._compile(kind, source, lenient)
             with self._lock:
                 self._cache[key] = hit
                 while len(self._cache) > self.cache_size:
@@ -188,10 +200,10 @@ class Grammars:
             raise GrammarError(str(hit))
         return hit
 
-    def _compile(self, kind: str, source: str) -> Compiled | GrammarError:
+    def _compile(self, kind: str, source: str, lenient: bool) -> Compiled | GrammarError:
         lltok = self.lltokenizer()
         try:
-            text = grammar_text(kind, source)
+            text = grammar_text(kind, source, lenient)
         except GrammarError as e:
             return e
         t0 = time.perf_counter()
@@ -203,14 +215,21 @@ class Grammars:
                                 f"{self.compile_seconds:g} s")
         seconds = time.perf_counter() - t0
         if error:
-            return GrammarError(f"invalid {kind}: {_first_line(error)}")
+            hint = ""
+            if kind == "json_schema" and not lenient and any(
+                    k in error for k in ("Unimplemented keys", "oneOf", "Unknown format")):
+                hint = (" (lenient mode ignores it: node parameter schema_lenient, or "
+                        "\"x-guidance\": {\"lenient\": true} in the schema)")
+            return GrammarError(f"invalid {kind}: {_first_line(error)}{hint}")
         self.compile_times.append(seconds)
-        return Compiled(kind, matcher, seconds)
+        warnings = tuple(_first_line(w) for w in matcher.get_grammar_warnings())
+        return Compiled(kind, matcher, seconds, warnings)
 
-    def constraint(self, kind: str, source: str) -> "Constraint":
+    def constraint(self, kind: str, source: str, lenient: bool = False) -> "Constraint":
         """A fresh request state for the ``kind`` constraint ``source``."""
-        return Constraint(self.compile(kind, source).matcher.deep_copy(), self.vocab_size,
-                          self.closer())
+        compiled = self.compile(kind, source, lenient)
+        return Constraint(compiled.matcher.deep_copy(), self.vocab_size, self.closer(),
+                          compiled.warnings)
 
     def closer(self) -> "Closer":
         """The shortest-completion search of this tokenizer (built once)."""
@@ -244,8 +263,10 @@ def _build_matcher(lltok, text: str, vocab_size: int):
 class Constraint:
     """One request's grammar state and its mask buffers (allocated once per request)."""
 
-    def __init__(self, matcher, vocab_size: int, closer: "Closer | None" = None):
+    def __init__(self, matcher, vocab_size: int, closer: "Closer | None" = None,
+                 warnings: tuple[str, ...] = ()):
         self.matcher = matcher
+        self.warnings = warnings  # what a lenient compile ignored
         self.vocab_size = vocab_size
         self.closer = closer
         self.close_seconds = 0.0  # time spent searching closing paths (the budget's tracking)
@@ -335,7 +356,7 @@ class Closer:
     """Short complete endings of a constrained answer, for one tokenizer: from a matcher's state,
     repeatedly take the fast-forward (forced) tokens, else EOS where the answer is complete, else
     the first allowed of :data:`STRING_CLOSERS` (inside a string) or :data:`CLOSERS`, else of
-    :data:`FALLBACK_PIECES`, else the lowest allowed token. Greedy, so not always the shortest, but each step is one mask (tens of
+    :data:`FALLBACK_PIECES` (not one taken twice just before), else the lowest allowed token. Greedy, so not always the shortest, but each step is one mask (tens of
     microseconds); it bounds how many tokens an answer needs to end."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids):
@@ -380,9 +401,12 @@ class Closer:
                 return out + [eos] if len(out) < limit else None
             in_string = any(self._allowed(t) for t in self.probes)
             prefer = self.string_closers if in_string else self.closers
-            tok = next((t for t in prefer if self._allowed(t)), None)
+            # a token taken twice in a row is not taken a third time while another is allowed
+            # (a number range's regex may allow "-0.0" only followed by more digits)
+            again = out[-1] if len(out) >= 2 and out[-1] == out[-2] else -1
+            tok = next((t for t in prefer if t != again and self._allowed(t)), None)
             if tok is None:
-                tok = next((t for t in self.fallback if self._allowed(t)), None)
+                tok = next((t for t in self.fallback if t != again and self._allowed(t)), None)
             if tok is None:
                 nz = np.flatnonzero(self._bits)
                 if not nz.size:

@@ -52,14 +52,15 @@ class GenerationConfig:
     json_schema: str = ""  # non-empty: the answer is a JSON document valid under this schema
     grammar: str = ""  # non-empty: the answer matches this Lark grammar (llguidance's syntax)
     tool_calls: bool = False  # a chat with tools: a complete answer's calls are read back
+    lenient: bool = False  # json_schema: keywords the constraint library lacks are ignored
 
     @property
-    def constraint(self) -> tuple[str, str] | None:
-        """``(kind, source)`` of the goal's constraint, or None."""
+    def constraint(self) -> tuple[str, str, bool] | None:
+        """``(kind, source, lenient)`` of the goal's constraint, or None."""
         if self.json_schema:
-            return "json_schema", self.json_schema
+            return "json_schema", self.json_schema, self.lenient
         if self.grammar:
-            return "grammar", self.grammar
+            return "grammar", self.grammar, False
         return None
 
     def validate(self) -> None:
@@ -99,6 +100,7 @@ class GenerationResult:
     closed_early: bool = False  # constrained: complete, ended early to fit max_new_tokens
     loops_broken: int = 0  # constrained: steps where a repeating span was kept from repeating
     budget_seconds: list = field(default_factory=list)  # per token: the budget tracking's time
+    warnings: list = field(default_factory=list)  # a lenient schema: what its compile ignored
 
 
 PROMPT_SLOT = "\x00selectinfer-prompt\x00"  # where the prompt goes in a rendered chat template
@@ -939,5 +941,6 @@ class Stream:
         return GenerationResult(text, finish, list(new_ids), m, parsed=parsed,
                                 mask_seconds=c.mask_seconds if c else 0.0, tool_calls=calls,
                                 closed_early=closed, loops_broken=self.loops_broken,
-                                budget_seconds=budget.seconds if budget else [])
+                                budget_seconds=budget.seconds if budget else [],
+                                warnings=list(c.warnings) if c else [])
 

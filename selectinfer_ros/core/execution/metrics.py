@@ -78,6 +78,8 @@ class RunningStats:
     canceled: int = 0
     aborted: int = 0
     rejected: int = 0
+    closed_early: int = 0  # constrained answers ended early to fit max_new_tokens
+    loops_broken: int = 0  # constrained answers kept from repeating a span
     last_tokens_per_second: float = 0.0
     last_time_to_first_token: float = 0.0
     last_computed_share: float = -1.0  # per decode token, compute_mode token; -1: n/a

@@ -216,7 +216,7 @@ def goal_config(goal, settings: NodeSettings, rt) -> tuple[GenerationConfig, flo
         seed=int(goal.seed) if goal.seed >= 0 else None,
         stop=[s for s in goal.stop if s], use_chat_template=bool(goal.use_chat_template),
         special_tokens=settings.prompt_special_tokens, compute_ratio=phi_override,
-        json_schema=json_schema, grammar=grammar)
+        json_schema=json_schema, grammar=grammar, lenient=bool(settings.schema_lenient))
     if chat is not None and chat.tools:
         cfg.grammar = tool_grammar(chat, rt.engine.tool_format)
         cfg.tool_calls = chat.calls_allowed
@@ -629,6 +629,9 @@ class Server:
             with self._lock:
                 if outcome.status == "succeeded":
                     rt.stats.succeeded += 1
+                    res = outcome.result
+                    rt.stats.closed_early += bool(res is not None and res.closed_early)
+                    rt.stats.loops_broken += bool(res is not None and res.loops_broken)
                 elif outcome.status == "canceled":
                     rt.stats.canceled += 1
                 else:

@@ -31,6 +31,7 @@ THROUGHPUT_KEYS = ("last_tokens_per_second", "average_tokens_per_second",
                    "last_time_to_first_token", "last_computed_share", "queue_depth", "queue_length", "generating",
                    "running_goals", "max_batch", "aggregate_tokens_per_second",
                    "goals_succeeded", "goals_canceled", "goals_aborted", "goals_rejected",
+                   "goals_closed_early", "goals_loops_broken",
                    "last_rejection", "lifecycle_state", "prompt_cache_entries", "prompt_cache_bytes",
                    "prompt_cache_limit_bytes", "prompt_cache_hits", "prompt_cache_misses",
                    "prompt_cache_saved_tokens", "prompt_cache_evicted", "prompt_cache_invalidated")
@@ -74,6 +75,8 @@ class Snapshot:
     canceled: int = 0
     aborted: int = 0
     rejected: int = 0
+    closed_early: int = 0  # constrained answers ended early to fit max_new_tokens
+    loops_broken: int = 0  # constrained answers kept from repeating a span
     last_rejection: str = ""
     switches: int = 0
     last_reload_seconds: float = 0.0
@@ -148,6 +151,7 @@ def throughput_status(s: Snapshot) -> DiagnosticStatus:
         "aggregate_tokens_per_second": float(s.aggregate_tokens_per_second),
         "goals_succeeded": s.succeeded, "goals_canceled": s.canceled,
         "goals_aborted": s.aborted, "goals_rejected": s.rejected,
+        "goals_closed_early": s.closed_early, "goals_loops_broken": s.loops_broken,
         "last_rejection": s.last_rejection, "lifecycle_state": s.lifecycle_state,
     }
     values.update({k: int(s.prompt_cache.get(k, 0)) for k in THROUGHPUT_KEYS

@@ -540,6 +540,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
         snap.last_time_to_first_token = st.last_time_to_first_token
         snap.last_computed_share = st.last_computed_share
         snap.succeeded, snap.canceled, snap.aborted = st.succeeded, st.canceled, st.aborted
+        snap.closed_early, snap.loops_broken = st.closed_early, st.loops_broken
         snap.rejected += st.rejected
         snap.switches = rt.switches
         snap.last_reload_seconds = last.seconds if last else 0.0

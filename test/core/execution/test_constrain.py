@@ -178,3 +178,96 @@ def test_compiled_constraints_are_cached_by_content_and_bounded(rt):
 def test_json_schema_and_grammar_are_mutually_exclusive():
     with pytest.raises(ValueError, match="mutually exclusive"):
         GenerationConfig(json_schema="{}", grammar='start: "a"').validate()
+
+
+# ---- answers that end within their budget, loops, lenient schemas --------------------------
+RAMBLE = {"type": "object", "properties": {
+    "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"},
+                                         "minItems": 2},
+    "n": {"type": "integer", "minimum": 5},
+    "o": {"type": "object", "properties": {"a": {"enum": ["xx", "yy"]}}, "required": ["a"]}},
+    "required": ["name", "tags", "n", "o"]}
+RAMBLE_PROMPT = "Write a long description of a robot as JSON: "
+
+
+def test_closing_paths_end_every_prefix_of_an_answer(rt):
+    """From every token prefix of each schema's example answer, the closing path (forced tokens,
+    closers, shortest values) ends the answer: prefix and path parse and validate."""
+    g, tok = rt.engine.grammars, rt.engine.tokenizer
+    eos = set(rt.engine.eos_ids)
+    checked = 0
+    for name, schema, _, example in SCHEMAS:
+        ids = tok(json.dumps(example, separators=(",", ":")), add_special_tokens=False)["input_ids"]
+        for k in range(len(ids)):
+            c = g.constraint("json_schema", json.dumps(schema))
+            assert c.matcher.try_consume_tokens(ids[:k]) == k, (name, k)
+            path = c.closing_path(64)
+            assert path is not None, (name, tok.decode(ids[:k]))
+            text = tok.decode(ids[:k] + [t for t in path if t not in eos])
+            jsonschema.validate(json.loads(text), schema)
+            checked += 1
+    assert checked > 200
+
+
+def test_answers_end_complete_within_small_budgets(rt):
+    """max_new_tokens below what the model would write: where the schema's shortest answer fits,
+    the answer is complete and valid within the budget, closed early (finish_reason closed)
+    when the model's own tokens would not have ended in time."""
+    g = rt.engine.grammars
+    closed = 0
+    cases = [(prompt_for(i, e), s) for _, s, i, e in SCHEMAS[:10]] + [(RAMBLE_PROMPT, RAMBLE)]
+    for prompt, schema in cases:
+        shortest = g.constraint("json_schema", json.dumps(schema)).closing_path(64)
+        for budget in (6, 9, 12, 18, 30):
+            res = rt.generate(prompt, _json(schema, max_new_tokens=budget))
+            assert len(res.token_ids) <= budget
+            if len(shortest) > budget:
+                continue
+            assert res.parsed and res.finish_reason in ("grammar", "closed"), (budget, res.text)
+            jsonschema.validate(json.loads(res.text), schema)
+            assert res.closed_early == (res.finish_reason == "closed")
+            closed += res.closed_early
+    assert closed >= 2
+    res = rt.generate(RAMBLE_PROMPT, _json(RAMBLE, max_new_tokens=30))
+    assert res.finish_reason == "closed" and res.closed_early and len(res.budget_seconds) > 0
+
+
+def test_free_text_and_answers_that_fit_are_unchanged(rt):
+    """No budget tracking without a constraint; an answer that ends well within its budget is
+    the same with a larger budget (the tracking only acts near the end)."""
+    free = rt.generate(ACTION_PROMPT, GenerationConfig(max_new_tokens=12))
+    assert free.budget_seconds == [] and not free.closed_early and free.loops_broken == 0
+    a = rt.generate(ACTION_PROMPT, _json(ACTION, max_new_tokens=64))
+    b = rt.generate(ACTION_PROMPT, _json(ACTION, max_new_tokens=200))
+    assert a.finish_reason == b.finish_reason == "grammar" and a.text == b.text
+
+
+def test_repeating_token_finds_loops():
+    rep = constrain.repeating_token
+    assert rep([5] * 12) == 5 and rep([5] * 11) is None
+    assert rep([1, 2, 3] + [7, 8] * 6) == 7 and rep([7, 8] * 5) is None
+    span = list(range(10, 25))  # a 15-token span (keys of an object) three times
+    assert rep([1] + span * 3) == 10 and rep(span * 2) is None
+    assert rep(list(range(60))) is None
+
+
+def test_a_looping_answer_is_kept_from_repeating_and_still_parses(rt):
+    """The rambling answer repeats a span in its string; the guard forbids the repeat (counted),
+    and the answer stays complete and valid."""
+    res = rt.generate(RAMBLE_PROMPT, _json(RAMBLE, max_new_tokens=64))
+    assert res.parsed and res.loops_broken >= 1, res.text
+    jsonschema.validate(json.loads(res.text), RAMBLE)
+
+
+def test_lenient_schemas_ignore_what_the_library_lacks_and_say_so(rt):
+    g = rt.engine.grammars
+    schema = json.dumps({"type": "object", "properties": {"ids": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3}},
+        "required": ["ids"]})
+    with pytest.raises(GrammarError, match=r'uniqueItems.*lenient mode ignores it'):
+        g.compile("json_schema", schema)
+    assert "uniqueItems" in " ".join(g.compile("json_schema", schema, lenient=True).warnings)
+    res = rt.generate("IDs of the robots as JSON: ", _json(json.loads(schema), lenient=True))
+    assert res.parsed and "uniqueItems" in " ".join(res.warnings)
+    in_schema = json.loads(schema) | {"x-guidance": {"lenient": True}}  # the schema opts in
+    assert g.compile("json_schema", json.dumps(in_schema)).warnings
