@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parents[1] / "selectinfer_ros"
 LAYERS = [  # (prefix, rank); the longest matching prefix wins
     ("core.format", 0), ("core.options", 1), ("core.selection", 2), ("core.execution", 3),
     ("core.profiling", 4), ("core.serving", 4), ("core", 0),
-    ("lab", 5), ("ros", 5), ("data", 5), ("cli", 7),
+    ("ros", 5), ("data", 5), ("lab", 6), ("cli", 7),  # lab's benches may drive the ROS node
 ]
 ROS_LAYERS = [("ros.plumbing", 0), ("ros.safe_action", 0), ("ros.nodes", 1), ("ros.client", 1),
               ("ros.behaviours", 2), ("ros.tools", 2), ("ros.bringup", 2),

@@ -451,6 +451,7 @@ class Budget:
 
     SLACK = 24  # tokens of margin before every token is checked
     EVERY = 16  # tokens between measurements while far from the end
+    LONGEST = 192  # a closing path is searched this far at most (each step is one mask)
 
     def __init__(self, constraint: Constraint):
         self.c = constraint
@@ -480,7 +481,7 @@ class Budget:
             if not due and (self.need is None or remaining > self.need + self.SLACK):
                 return tok
             self.checked = n
-            self.plan = c.closing_path(remaining)
+            self.plan = c.closing_path(min(remaining, self.LONGEST))
             self.need = None if self.plan is None else len(self.plan)
             if self.plan is None:
                 return tok  # no ending fits (or none found): nothing to keep
@@ -492,7 +493,7 @@ class Budget:
             self.plan = plan[1:]
             self.need = len(self.plan)
             return tok
-        after = c.closing_path(remaining - 1, after=tok)
+        after = c.closing_path(min(remaining - 1, self.LONGEST), after=tok)
         if after is not None:
             self.plan, self.need = after, len(after)
             return tok
