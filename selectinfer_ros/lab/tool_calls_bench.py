@@ -184,13 +184,24 @@ def _value_at(text: str, i: int):
 _NONE = object()
 
 
+def is_tool_doc(value) -> bool:
+    """A function's definition rather than a call: ``parameters`` that are an object schema
+    (models given tools sometimes write one of them out again)."""
+    p = value.get("parameters") if isinstance(value, dict) else None
+    return (isinstance(p, dict) and p.get("type") in ("object", "dict")
+            and isinstance(p.get("properties"), dict) and "arguments" not in value)
+
+
 def _as_call(value, depth: int = 0):
     """The first ``(name, arguments)`` inside a decoded value: a dict with ``name`` and
     ``arguments`` (or ``parameters``), where arguments may be JSON text; OpenAI's
-    ``{"function": {...}}`` and lists of calls looked into; None when there is none."""
+    ``{"function": {...}}`` and lists of calls looked into; a tool's definition
+    (:func:`is_tool_doc`) is no call; None when there is none."""
     if depth > 6:
         return None
     if isinstance(value, dict):
+        if is_tool_doc(value):
+            return None
         name = value.get("name")
         for key in ("arguments", "parameters"):
             if isinstance(name, str) and key in value:
@@ -224,6 +235,23 @@ def _first_in(text: str):
                 if found:
                     return i, found, closed
     return None
+
+
+def writes_tool_doc(text: str) -> bool:
+    """Whether ``text`` writes out a tool's definition (JSON, see :func:`is_tool_doc`)."""
+    def docs(v, depth=0):
+        if depth > 4:
+            return False
+        if is_tool_doc(v):
+            return True
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        return any(docs(x, depth + 1) for x in items)
+    for i, c in enumerate(text):
+        if c == "{" and '"parameters"' in text[i:]:
+            v, _ = _value_at(text, i)
+            if v is not _NONE and docs(v):
+                return True
+    return False
 
 
 def _python_call(text: str, names: set[str]):
@@ -553,6 +581,7 @@ def run_dense(cases: list[dict], model: str, threads: int, max_new_tokens: int,
                    {"name": call[0], "arguments": call[1]},
                    "form": parsed[2] if parsed else None,
                    "unread_marker": "" if parsed else marker_without_call(text),
+                   "tool_doc_written": writes_tool_doc(text),
                    "calls": int(call is not None),
                    "finish_reason": "stop" if stopped else "length",
                    "prompt_tokens": len(ids), "tokens": len(out),
@@ -614,6 +643,7 @@ def run_node(cases: list[dict], modes: list[str], model: str, threads: int, max_
                        "tokens": int(getattr(r, "generated_tokens", 0)) if r is not None else 0,
                        # a call the node did not take, readable in its text answer
                        "text_call_form": seen[2] if seen else None,
+                       "tool_doc_written": writes_tool_doc(text),
                        "seconds": round(time.perf_counter() - t0, 2)}
                 row.update(score(case, call))
                 if bad:
@@ -656,6 +686,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                  "tokens_per_answer": round(sum(r["tokens"] for r in rs) / n, 1),
                  "seconds": round(sum(r["seconds"] for r in rs), 1),
                  "seconds_per_answer": round(sum(r["seconds"] for r in rs) / n, 2)}
+            s["tool_docs_written"] = sum(bool(r.get("tool_doc_written")) for r in rs)
             if mode == "dense":
                 s["call_forms"] = dict(Counter(r["form"] for r in rs if r["form"]))
             else:

@@ -195,3 +195,14 @@ def test_summary_table_and_plot(tmp_path):
     assert "| auto | irrelevance | 1 | 1/1 (100%) | 0 |" in tcb.table(s)
     png = tcb.plot(s, {"```json": 1, "<tool_call>": 1}, tmp_path / "p.png", "title")
     assert png.stat().st_size > 1000
+
+
+def test_a_tool_definition_written_out_is_no_call():
+    doc = json.dumps({"type": "function", "function": {
+        "name": "math_factorial", "description": "n!", "parameters": {
+            "type": "object", "properties": {"number": {"type": "integer"}}}}})
+    assert tcb.parse_call(f"<tools>\n{doc}\n</tools>") is None
+    assert tcb.parse_call(f"<tools>\n{doc}\n</tools>\n<tool_call>{CALL}</tool_call>") == (
+        "math_factorial", {"number": 5}, "<tool_call>")
+    assert tcb.writes_tool_doc(f"<tools>\n{doc}\n</tools>")
+    assert not tcb.writes_tool_doc(f"<tool_call>{CALL}</tool_call>")
