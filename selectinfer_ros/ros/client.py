@@ -32,6 +32,7 @@ from typing import Any, Callable
 from rclpy.node import Node
 
 from ..core.execution.chat import Chat, ToolCall, chat_of, starts_call
+from ..core.serving.server import REFUSED
 from .plumbing import BURST_QOS
 from .safe_action import SafeActionClient
 
@@ -186,11 +187,9 @@ class GoalHandle:
             self._deadlines.result = _now() + self._result_timeout
             self.goal_id = bytes(gh.goal_id.uuid)
             cancel = self.accepted and self._cancel_requested
-        if not gh.accepted:
+        if not gh.accepted:  # a refusal the node answers at once carries its reason (REFUSED)
             self._set(Outcome(STATUS_REJECTED, error_msg=(
-                f"goal rejected by {self._client.action_name} (the node logs the reason and "
-                f"reports it as 'last rejection' on its diagnostics: invalid goal, unknown task, "
-                f"prompt too long, queue full or no model loaded)")))
+                f"goal rejected by {self._client.action_name} without a reason")))
             return
         gh.get_result_async().add_done_callback(self._on_result)
         if cancel:
@@ -206,6 +205,8 @@ class GoalHandle:
         r = response.result
         status = {GoalStatus.STATUS_SUCCEEDED: STATUS_SUCCEEDED,
                   GoalStatus.STATUS_CANCELED: STATUS_CANCELED}.get(response.status, STATUS_ABORTED)
+        if status == STATUS_ABORTED and r.finish_reason == REFUSED:  # ended at once: its reason
+            status = STATUS_REJECTED
         out = Outcome(status, r.text, int(r.error_code), r.error_msg, int(r.choice_index), r,
                       parsed=bool(r.parsed),
                       tool_calls=[ToolCall(c.name, c.arguments, c.id) for c in r.tool_calls])

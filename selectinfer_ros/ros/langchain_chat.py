@@ -29,7 +29,6 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr
 
-from ..core.execution.chat import chat_of
 from .client import STATUS_REJECTED, LLMClient, Outcome
 
 ROLES = {SystemMessage: "system", HumanMessage: "user", AIMessage: "assistant",
@@ -155,15 +154,9 @@ class ChatSelectInfer(BaseChatModel):
 
 
 def _reason(out: Outcome, chat: list[dict], tools: list, choice: str) -> str:
-    """Why the node rejected a conversation: the action carries no reason, so run the node's
-    own check (``Chat.validate``) here; empty when the conversation passes it."""
-    if out.status != STATUS_REJECTED:
-        return ""
-    try:
-        chat_of(chat, tools, choice).validate()
-    except ValueError as e:
-        return str(e)
-    return ""
+    """Why the node refused a conversation: the reason its result carries (the node ends a goal
+    it will not serve at once with it); empty for other outcomes."""
+    return out.error_msg if out.status == STATUS_REJECTED else ""
 
 
 __all__ = ["ChatSelectInfer", "SelectInferError", "to_ai_message", "to_dict", "tool_choice_of"]

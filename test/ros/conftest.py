@@ -311,6 +311,20 @@ class GoalRun:
         self.status, self.result = response.status, response.result
         return self
 
+    def refused(self, timeout=10.0):
+        """The node would not serve the goal: accepted and ended at once ABORTED, its result
+        carrying the error code and the reason (finish_reason ``rejected``); the reason, else
+        None."""
+        from action_msgs.msg import GoalStatus
+        if not self.accepted:
+            return None
+        self.wait(timeout)
+        r = self.result
+        if self.status != GoalStatus.STATUS_ABORTED or r.finish_reason != 'rejected':
+            return None
+        assert r.error_code != 0 and r.error_msg and r.text == '' and r.generated_tokens == 0
+        return r.error_msg
+
 
 @pytest.fixture
 def llm_graph(ros_context, tiny_llm):

@@ -89,11 +89,11 @@ def test_errors_are_data(llm_graph, wait_until):
     g = llm_graph(max_new_tokens_limit=1024).ready()
     llm = make_client(g)
     assert llm.wait_for_server(10.0)
-    rejected = llm.generate('w5 w6', task='gamma')
-    assert rejected.status == STATUS_REJECTED and 'rejected' in rejected.error_msg
-    assert not rejected.ok and rejected.result is None
+    rejected = llm.generate('w5 w6', task='gamma')  # the reason reaches the caller
+    assert rejected.status == STATUS_REJECTED and "unknown task 'gamma'" in rejected.error_msg
+    assert not rejected.ok and rejected.result.error_code == rejected.error_code != 0
     bad = llm.choose('w5 w6', ['w7', 'w7'])
-    assert bad.status == STATUS_REJECTED
+    assert bad.status == STATUS_REJECTED and "choice 1 'w7' repeats choice 0" in bad.error_msg
     assert g.node.snapshot().last_rejection.endswith("choice 1 'w7' repeats choice 0")
 
     nobody = make_client(g, namespace=f'nobody_{uuid.uuid4().hex[:6]}', server_timeout=0.5)
@@ -211,7 +211,7 @@ def test_chat_calls_tools_reuses_the_prompt_and_refuses_bad_conversations(qwen_g
     for messages, tools, choice, needle in bad:
         t0 = time.monotonic()
         out = llm.chat(messages, tools=tools, tool_choice=choice)
-        assert out.status == STATUS_REJECTED, (needle, out)
+        assert out.status == STATUS_REJECTED and needle in out.error_msg, (needle, out)
         assert time.monotonic() - t0 < 5.0
         assert needle in g.node.snapshot().last_rejection, g.node.snapshot().last_rejection
     out = llm.chat([{'role': 'user', 'content': 'Go to the hall.'}], tools=TOOLS,

@@ -47,6 +47,7 @@ GENERATION_FAILED, NO_MODEL, CANCELED = "GENERATION_FAILED", "NO_MODEL", "CANCEL
 MAX_CHARS_PER_TOKEN = 100
 MAX_CHOICES_CHECKED = 64  # more choices than this are refused before tokenizing any
 MAX_NAME_CHARS = 64  # names (tasks) echoed in messages and logs are cut to this many characters
+REFUSED = "rejected"  # finish_reason of a goal the node would not serve (ended at once, ABORTED)
 MAX_REASON_CHARS = 400  # a rejection reason kept for diagnostics (last_rejection)
 MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # dividing logits by less overflows

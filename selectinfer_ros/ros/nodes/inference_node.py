@@ -15,11 +15,18 @@ Always (in every state): ``loaded_profile`` (selectinfer_msgs/msg/ActiveProfile,
 local: the task whose base neurons are resident) and ``diagnostics`` + ``/diagnostics``
 (diagnostic_msgs/DiagnosticArray every period, with the lifecycle state).
 
+**A goal the node will not serve** (invalid, unknown task, prompt too long, queue full, no model)
+is accepted and ended at once, ABORTED, with the result's ``error_code``, ``error_msg`` (the
+reason) and ``finish_reason: rejected``, as Nav2's servers end goals: a ROS 2 goal rejection
+carries no message, so the reason travels with the goal. It still costs no queue place and is
+counted as rejected (``goals_rejected``, ``last_rejection`` on the diagnostics).
+
 The node translates messages and parameters; the queue, the worker and the goal validation are
 the core's :class:`selectinfer_ros.core.serving.server.Server`.
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import traceback
@@ -38,8 +45,9 @@ from selectinfer_msgs.msg import ActiveProfile, ToolCall
 from selectinfer_msgs.srv import ReloadBase
 
 from ...core.execution.chat import Chat
-from ...core.serving.server import (CANCELED, GENERATION_FAILED, GoalJob, Outcome, Rejected,
-                                    Server, goal_config, goal_prompt, reload_timeout, short)
+from ...core.serving.server import (CANCELED, GENERATION_FAILED, REFUSED, GoalJob, Outcome,
+                                    Rejected, Server, goal_config, goal_prompt, reload_timeout,
+                                    short)
 from ..plumbing import (BURST_QOS, LATCHED, exit_now, guarded, internal_error,
                         one_transition_at_a_time, run_node)
 from ..safe_action import SafeActionServer
@@ -47,6 +55,7 @@ from . import diagnostics as diag
 from .settings import NodeSettings, ParamError, apply_changes, check_model_files, declare
 
 R = Generate.Result
+REFUSALS_KEPT = 1024  # refusals between the goal and the accepted callback (normally one at a time)
 RESULT_GRACE = 0.2  # seconds for the last results to reach their clients before the server goes
 WATCH_PERIOD = 0.5  # seconds between two looks at the running goal (time bound, its client)
 
@@ -147,7 +156,12 @@ class InferenceNode(LifecycleNodeMixin, Node):
         self.add_on_set_parameters_callback(self._on_set_parameters)
         self._lock = threading.Lock()
         self._goals: dict[bytes, _Goal] = {}
-        self._failed: dict[bytes, str] = {}  # accepted goals that could not be queued: why
+        self._failed: dict[bytes, str | Rejected] = {}  # accepted goals not queued: why
+        # goal callback -> accepted callback: the refusal of a goal accepted only to end at once
+        # with its reason (keyed by the goal message's identity: rclpy hands both callbacks the
+        # same object)
+        self._refusals: collections.OrderedDict[int, tuple[object, Rejected]] = \
+            collections.OrderedDict()
         self._executing = 0  # execute callbacks not returned yet
         self.server = Server(self.settings.queue_length, log=self.get_logger().info,
                              max_batch=self.settings.max_batch)
@@ -276,8 +290,18 @@ class InferenceNode(LifecycleNodeMixin, Node):
     # Every callback is guarded: a failure of ours is logged with its traceback and answered
     # (a refusal, an aborted goal, success=false), never left to stop the executor.
     def _goal_failed(self, e: Exception, goal) -> GoalResponse:
-        self.server.note_rejection(Rejected("UNKNOWN", internal_error(e)))  # counted as seen
-        return GoalResponse.REJECT
+        return self._refuse(goal, Rejected("UNKNOWN", internal_error(e)))
+
+    def _refuse(self, goal, e: Rejected) -> GoalResponse:
+        """Count and log a refusal; accept the goal so that it ends at once with the reason
+        (:meth:`_on_accepted`)."""
+        self.server.note_rejection(e)
+        self.get_logger().warning(f"goal refused ({e.code}): {e.reason}")
+        with self._lock:
+            self._refusals[id(goal)] = (goal, e)
+            while len(self._refusals) > REFUSALS_KEPT:
+                self._refusals.popitem(last=False)
+        return GoalResponse.ACCEPT
 
     @guarded(_goal_failed)
     def _on_goal(self, goal) -> GoalResponse:
@@ -297,9 +321,7 @@ class InferenceNode(LifecycleNodeMixin, Node):
             self.server.admit()
             return GoalResponse.ACCEPT
         except Rejected as e:
-            self.server.note_rejection(e)
-            self.get_logger().warning(f"goal rejected ({e.code}): {e.reason}")
-            return GoalResponse.REJECT
+            return self._refuse(goal, e)
 
     def _accept_failed(self, e: Exception, gh) -> None:
         """An accepted goal we could not queue: its place is freed and it is aborted with the
@@ -314,6 +336,13 @@ class InferenceNode(LifecycleNodeMixin, Node):
     @guarded(_accept_failed)
     def _on_accepted(self, gh) -> None:
         goal = gh.request
+        with self._lock:
+            refused = self._refusals.pop(id(goal), None)
+            if refused is not None and refused[0] is goal:  # ended at once with the reason
+                self._failed[bytes(gh.goal_id.uuid)] = refused[1]
+        if refused is not None and refused[0] is goal:
+            gh.execute()
+            return
         try:
             rt = self.server.runtime
             if rt is None:
@@ -349,6 +378,9 @@ class InferenceNode(LifecycleNodeMixin, Node):
         try:
             if g is None:
                 gh.abort()
+                if isinstance(failed, Rejected):
+                    return R(error_code=getattr(R, failed.code, R.UNKNOWN),
+                             error_msg=failed.reason, finish_reason=REFUSED)
                 return R(error_code=R.UNKNOWN, error_msg=failed, finish_reason="error")
             g.done.wait()
             outcome = g.job.outcome

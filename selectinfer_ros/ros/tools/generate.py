@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         if outcome.status == STATUS_NO_SERVER:
             print(outcome.error_msg, file=sys.stderr)
             return 2
-        if outcome.status in (STATUS_REJECTED, STATUS_TIMEOUT) and outcome.result is None:
+        if outcome.status == STATUS_REJECTED or (outcome.status == STATUS_TIMEOUT
+                                                 and outcome.result is None):
             print(f"\n{outcome.status}: {outcome.error_msg}", file=sys.stderr)
             return 1
         if outcome.choice_index >= 0:

@@ -41,7 +41,7 @@ def test_diagnostics_at_period_with_keys_and_engine_values(llm_graph, wait_until
     g = llm_graph(diagnostics_period=period, memory_headroom_mb=1.0).ready()
     run = g.run(g.goal(max_new_tokens=6))
     assert run.status == GoalStatus.STATUS_SUCCEEDED
-    assert not g.send(g.goal('')).accepted
+    assert g.send(g.goal('')).refused()
     local = DiagLog(g, 'diagnostics')
     glob = DiagLog(g, '/diagnostics')
     assert wait_until(lambda: len(local) >= 17, 60.0), 'diagnostics not arriving'
@@ -139,7 +139,7 @@ def test_diagnostics_warn_when_queue_full(llm_graph, wait_until):
     arr = g.node.publish_diagnostics()
     thr = by_name(arr)[f'{NODE}: throughput']
     assert plumbing.level_of(thr) == 1 and 'queue full' in thr.message
-    assert not g.send(g.goal(max_new_tokens=2)).accepted  # beyond the queue
+    assert 'queue' in g.send(g.goal(max_new_tokens=2)).refused()  # beyond the queue
     first.cancel()
     first.wait(30.0)
     second.wait(30.0)

@@ -70,8 +70,10 @@ def test_invalid_goals_are_rejected_at_once_and_node_keeps_serving(llm_graph):
         prompt = fields.pop('prompt', 'w5 w6 w7')
         t0 = time.monotonic()
         run = g.send(g.goal(prompt, **fields))
-        assert not run.accepted, f'{reason}: goal accepted'
-        assert time.monotonic() - t0 < 5.0, f'{reason}: goal response took too long'
+        why = run.refused()  # accepted, ended at once ABORTED with the code and the reason
+        assert why, f'{reason}: goal served'
+        assert time.monotonic() - t0 < 5.0, f'{reason}: the refusal took too long'
+        assert run.result.error_code in (R.INVALID_GOAL, R.UNKNOWN_TASK, R.PROMPT_TOO_LONG), why
     assert g.node.runtime.stats.rejected == len(INVALID_GOALS)
     assert g.node.snapshot().last_rejection.startswith('INVALID_GOAL: ')
     # still serving, and the limits themselves are accepted
@@ -129,16 +131,20 @@ def test_eight_clients_at_once_with_queue_of_four(llm_graph):
         assert time.monotonic() < deadline, 'a goal got no response'
         time.sleep(0.01)
     handles = [f.result() for f in futures]
-    accepted = [h for h in handles if h.accepted]
-    rejected = [h for h in handles if not h.accepted]
-    assert 1 <= len(accepted) <= 5  # running one + queue_length
-    assert len(rejected) >= 3, 'goals beyond the queue were not rejected'
-    results = [h.get_result_async() for h in accepted]
+    assert all(h.accepted for h in handles)  # a refusal ends at once with its reason
+    results = [h.get_result_async() for h in handles]
     deadline = time.monotonic() + 120.0
     while not all(f.done() for f in results):
-        assert time.monotonic() < deadline, 'an accepted goal never finished'
+        assert time.monotonic() < deadline, 'a goal never finished'
         time.sleep(0.02)
-    statuses = [f.result().status for f in results]
+    served = [f.result() for f in results if f.result().result.finish_reason != 'rejected']
+    rejected = [f.result() for f in results if f.result().result.finish_reason == 'rejected']
+    accepted = served
+    assert 1 <= len(served) <= 5  # running one + queue_length
+    assert len(rejected) >= 3, 'goals beyond the queue were not refused'
+    assert all(r.status == GoalStatus.STATUS_ABORTED and r.result.error_code == R.QUEUE_FULL
+               and 'queue' in r.result.error_msg for r in rejected)
+    statuses = [r.status for r in served]
     assert statuses == [GoalStatus.STATUS_SUCCEEDED] * len(accepted)
     stats = g.node.runtime.stats
     assert stats.succeeded == len(accepted) and stats.rejected == len(rejected)

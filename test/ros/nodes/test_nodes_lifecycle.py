@@ -107,7 +107,7 @@ def test_canceled_waiting_goal_frees_its_slot_at_once(llm_graph):
     assert running.accepted and running.wait_feedback(1, 30.0)
     waiting = g.send(g.goal('w8 w9', max_new_tokens=4))
     assert waiting.accepted
-    assert not g.send(g.goal('w1', max_new_tokens=4)).accepted  # queue full
+    assert 'queue' in g.send(g.goal('w1', max_new_tokens=4)).refused()  # queue full
     waiting.cancel()
     waiting.wait(10.0)
     assert waiting.status == GoalStatus.STATUS_CANCELED and waiting.feedback == []
