@@ -503,3 +503,71 @@ class Budget:
         self.plan = plan[1:]
         self.need = len(self.plan)
         return plan[0]
+
+
+class JsonKeys:
+    """The keys written so far in each open object of a compact JSON answer, read as its text
+    grows, so that a token which would write a key a second time into one object can be refused
+    (llguidance's JSON grammar allows repeated keys; ``json.loads`` keeps the last value, a strict
+    reader refuses the document). Only tokens with a ``"`` can complete a key."""
+
+    def __init__(self) -> None:
+        self.stack: list[list] = []  # per open container: [is_object, keys (set), expect_key]
+        self.in_string = False
+        self.is_key = False
+        self.escape = False
+        self.key: list[str] = []
+
+    def _step(self, c: str, added: dict | None) -> bool:
+        """Read one character; False when it completes a key its object already has (then
+        ``added``, the keys of a trial, is not changed)."""
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif c == "\\":
+                self.escape = True
+            elif c == '"':
+                self.in_string = False
+                if self.is_key and self.stack:
+                    key, frame = "".join(self.key), self.stack[-1]
+                    extra = added.setdefault(id(frame), set()) if added is not None else frame[1]
+                    if key in frame[1] or (added is not None and key in extra):
+                        return False
+                    extra.add(key)
+                    frame[2] = False
+                return True
+            if self.is_key:
+                self.key.append(c)
+            return True
+        if c == '"':
+            self.in_string, self.escape, self.key = True, False, []
+            self.is_key = bool(self.stack) and self.stack[-1][0] and self.stack[-1][2]
+        elif c == "{":
+            self.stack.append([True, set(), True])
+        elif c == "[":
+            self.stack.append([False, None, False])
+        elif c in "}]":
+            if self.stack:
+                self.stack.pop()
+        elif c == "," and self.stack and self.stack[-1][0]:
+            self.stack[-1][2] = True
+        return True
+
+    def allows(self, text: str) -> bool:
+        """Whether appending ``text`` writes no key twice into one object (nothing is changed)."""
+        if '"' not in text:
+            return True
+        scalars = (self.in_string, self.is_key, self.escape, list(self.key))
+        frames, flags = list(self.stack), [f[2] for f in self.stack]
+        try:
+            added: dict = {}  # keys the trial writes, by object
+            return all(self._step(c, added) for c in text)
+        finally:
+            self.in_string, self.is_key, self.escape, self.key = scalars
+            self.stack = frames
+            for f, flag in zip(frames, flags):
+                f[2] = flag
+
+    def feed(self, text: str) -> None:
+        for c in text:
+            self._step(c, None)

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from .chat import Chat, ToolFormat, parse_tool_calls, render
 from .chat import tool_format as detect_tool_format
-from .constrain import Budget, Constraint, Grammars, repeating_token
+from .constrain import Budget, Constraint, Grammars, JsonKeys, repeating_token
 from .decode import Decoder, unsupported
 from .metrics import RequestMetrics
 from .prompt_cache import MIN_REUSE_TOKENS, MIN_SUFFIX, Entry, PromptCache, chunk_end
@@ -99,6 +99,7 @@ class GenerationResult:
     tool_calls: list = field(default_factory=list)  # a chat with tools: the calls (chat.ToolCall)
     closed_early: bool = False  # constrained: complete, ended early to fit max_new_tokens
     loops_broken: int = 0  # constrained: steps where a repeating span was kept from repeating
+    keys_refused: int = 0  # json_schema: tokens refused because they would repeat a key
     budget_seconds: list = field(default_factory=list)  # per token: the budget tracking's time
     warnings: list = field(default_factory=list)  # a lenient schema: what its compile ignored
 
@@ -815,6 +816,9 @@ def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
     return min(int(torch.searchsorted(c, u, right=True)), probs.numel() - 1)
 
 
+KEY_TRIES = 8  # tokens tried in one step before a repeated key is let through
+
+
 class Stream:
     """One request from its prefill's logits on: :meth:`advance` takes the logits after the last
     token, picks the next token (the grammar's mask, then greedy or sampled: the one place logits
@@ -833,6 +837,10 @@ class Stream:
         self.budget = (Budget(self.constraint) if self.constraint is not None
                        and not config.ignore_eos else None)
         self.loops_broken = 0  # steps where a repeating span was not allowed to repeat again
+        # a JSON-schema answer: a key is not written twice into one object
+        self.keys = JsonKeys() if config.json_schema and self.constraint is not None else None
+        self._lltok = engine.grammars.lltokenizer() if self.keys is not None else None
+        self.keys_refused = 0  # tokens refused because they would repeat a key
         self.config, self.max_new, self.metrics, self.gen = config, max_new, metrics, gen
         self.on_text, self.cancel, self.t0 = on_text, cancel, t0
         self.eos_ids = engine.eos_ids
@@ -859,14 +867,39 @@ class Stream:
         if c is not None:
             c.mask_logits(logits)
             self._break_loop(logits)
-        tok = (greedy_token(logits) if self.greedy
-               else Engine._sample(logits, self.config, self.history, self.gen))
+        tok = self._pick(logits)
+        if self.keys is not None and tok not in self.eos_ids:
+            tok = self._new_key(tok, logits)
         if self.budget is not None and tok not in self.eos_ids:
             n = len(self.detok.ids)
             tok = self.budget.choose(tok, self.max_new - n, n)
         if c is not None and tok not in self.eos_ids:
             c.advance(tok)
+            if self.keys is not None:
+                self.keys.feed(self._piece(tok))
         return tok
+
+    def _pick(self, logits: torch.Tensor) -> int:
+        return (greedy_token(logits) if self.greedy
+                else Engine._sample(logits, self.config, self.history, self.gen))
+
+    def _piece(self, tok: int) -> str:
+        """The token's text, exactly (llguidance's bytes of it)."""
+        return self._lltok.decode_bytes([tok]).decode("utf-8", "replace")
+
+    def _new_key(self, tok: int, logits: torch.Tensor) -> int:
+        """``tok``, or where it would write a key its object already has, the next choice among
+        the tokens that would not (at most KEY_TRIES tries; then ``tok`` stands)."""
+        first = tok
+        for _ in range(KEY_TRIES):
+            if self.keys.allows(self._piece(tok)):
+                return tok
+            logits[tok] = float("-inf")
+            if math.isinf(float(logits.max())):
+                return first
+            self.keys_refused += 1
+            tok = self._pick(logits)
+        return tok if self.keys.allows(self._piece(tok)) else first
 
     def _break_loop(self, logits: torch.Tensor) -> None:
         """A constrained answer whose end repeats one span (:func:`.constrain.repeating_token`):
@@ -941,6 +974,7 @@ class Stream:
         return GenerationResult(text, finish, list(new_ids), m, parsed=parsed,
                                 mask_seconds=c.mask_seconds if c else 0.0, tool_calls=calls,
                                 closed_early=closed, loops_broken=self.loops_broken,
+                                keys_refused=self.keys_refused,
                                 budget_seconds=budget.seconds if budget else [],
                                 warnings=list(c.warnings) if c else [])
 

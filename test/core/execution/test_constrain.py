@@ -271,3 +271,18 @@ def test_lenient_schemas_ignore_what_the_library_lacks_and_say_so(rt):
     assert res.parsed and "uniqueItems" in " ".join(res.warnings)
     in_schema = json.loads(schema) | {"x-guidance": {"lenient": True}}  # the schema opts in
     assert g.compile("json_schema", json.dumps(in_schema)).warnings
+
+
+def test_json_keys_refuse_a_key_written_twice_into_one_object():
+    k = constrain.JsonKeys()
+    k.feed('{"a":1,"b":{"a":2,"c":[{"a":1}]},')
+    assert not k.allows('"a"') and not k.allows('"b":') and k.allows('"d":')
+    assert k.allows('"a') and k.allows('"')  # not complete yet
+    k.feed('"d":"x\\"y","')  # an escaped quote inside a value; a key opened
+    assert not k.allows('a":') and k.allows('e":')
+    k.feed('a')
+    assert not k.allows('":') and k.allows('b":')  # "a" again; "ab" is new
+    fresh = constrain.JsonKeys()
+    fresh.feed('{"majors":[],"departments":[],')
+    assert not fresh.allows('"majors":') and not fresh.allows('"x":1,"x":')
+    assert fresh.allows('"x":1,"y":')
