@@ -39,6 +39,10 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # JSON as Python's json.dumps and the templates' tojson write it: what the model has seen
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# A call the model begins in one of its own forms (auto) may be laid out as it writes it: Qwen2.5
+# writes ```json fences pretty-printed, and forced compact JSON there made it echo a schema's
+# "type" as a value
+FREE_STYLE = {"whitespace_flexible": True}
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 _PROBE = "selectinfer_probe_tool"
 
@@ -340,7 +344,7 @@ def render(tok, chat: Chat, fmt: ToolFormat | None = None, special_tokens: bool 
 
 
 # ---- the answer's grammar and its calls ------------------------------------------------------
-def _call_schema(tool: Tool) -> dict:
+def _call_schema(tool: Tool, style: dict = JSON_STYLE) -> dict:
     """The JSON schema of one call of ``tool``: its name, then its arguments (the arguments'
     ``$defs``/``definitions`` lifted to the root, where their ``#/...`` references point)."""
     params = tool.schema
@@ -352,7 +356,7 @@ def _call_schema(tool: Tool) -> dict:
     root.update({"type": "object", "properties": {"name": {"const": tool.name},
                                                   "arguments": params},
                  "required": ["name", "arguments"], "additionalProperties": False,
-                 "x-guidance": JSON_STYLE})
+                 "x-guidance": style})
     return root
 
 
@@ -394,12 +398,15 @@ def tool_grammar(chat: Chat, fmt: ToolFormat) -> str | None:
     if chat.tool_choice != "auto":
         return "\n".join(["start: " + native] + lines) + "\n"
     forms = [f"TEXT? {native}"] if fmt.call_token else []
+    lines += ["free_call: " + " | ".join(f"free_{i}" for i in range(len(tools)))] + [
+        f'free_{i}: %json {json.dumps(_call_schema(t, FREE_STYLE), ensure_ascii=False)}'
+        for i, t in enumerate(tools)]  # laid out as the model writes it
     for i, (o, c) in enumerate(CALL_FORMS):  # lazy: the lead ends with the opener's first match
         lang = '"json"? ' if o == "```" else ""  # a fence names its language or not
-        forms.append(f"lead_{i} {lang}WS? json_call WS? {json.dumps(c)}")
+        forms.append(f"lead_{i} {lang}WS? free_call WS? {json.dumps(c)}")
         lines += [f"lead_{i}[lazy]: LEAD_{i}",
                   f"LEAD_{i}: /(?s:.*){_lark_regex(o)}/ & ~/[ \\t\\r\\n]*\\{{(?s:.*)/"]
-    forms.append("WS? json_call")
+    forms.append("WS? free_call")
     lines += [text, "WS: /[ \\t\\r\\n]{1,4}/"]
     return "\n".join(["start: TEXT | call", "call: " + " | ".join(forms)] + lines) + "\n"
 
