@@ -118,6 +118,13 @@ def test_required_tool_calls_validate_and_auto_answers_text(qwen_server):
                                                              "number only.")], TOOLS, "auto"))
     r = out.result
     assert r.finish_reason == "stop" and r.parsed and r.tool_calls == [] and "5" in r.text, r
+    # auto, a request a tool answers: the call the model begins in its own form comes back
+    out = run(srv, goal([msg("system", SYSTEM), msg("user", "Please go to the kitchen.")], TOOLS,
+                        "auto"))
+    r = out.result
+    assert r.finish_reason == "tool_calls" and r.parsed and len(r.tool_calls) == 1, r.text
+    spec = next(t for t in TOOLS if t["name"] == r.tool_calls[0].name)
+    jsonschema.validate(json.loads(r.tool_calls[0].arguments), spec["parameters"])
     out = run(srv, goal([msg("system", SYSTEM), msg("user", "Go to the kitchen.")], TOOLS, "none",
                         max_new_tokens=12))
     assert out.result.tool_calls == [] and "<tool_call>" not in out.result.text
