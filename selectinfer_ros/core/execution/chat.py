@@ -363,8 +363,11 @@ def _call_schema(tool: Tool, style: dict = JSON_STYLE) -> dict:
 # The forms in which a model begins a call under ``tool_choice`` auto besides its template's own
 # ``<tool_call>`` token: an opening text and the text that closes the call. A call begun in any of
 # them is completed under the call grammar (the opener acts as a lazy grammar's trigger); an
-# answer that starts with ``{`` is a bare call. Measured on BFCL with Qwen2.5-Coder 1.5B (plain
-# transformers, dense float; docs/results/tool-calls.md): the forms it writes its calls in.
+# answer that starts with ``{`` is a bare call. Measured on BFCL (docs/results/
+# structured-answers.md) with Qwen2.5-Coder 1.5B: as plain transformers (dense float) it wrote 59
+# of 60 calls in a ```json fence and one bare; through the node before these forms were read,
+# where a text could not start with a fence, it wrote <tools> (27), ```json (14) and <response>
+# (8). The other tags are the Hermes-style forms llama.cpp's parsers accept.
 CALL_FORMS: tuple[tuple[str, str], ...] = (
     (CALL_OPEN, CALL_CLOSE), ("<tools>", "</tools>"), ("<function_call>", "</function_call>"),
     ("<response>", "</response>"), ("<json>", "</json>"), ("```", "```"))
