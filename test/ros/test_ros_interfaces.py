@@ -55,6 +55,8 @@ def test_generate_result_and_feedback_fields():
         'text': 'string',
         'finish_reason': 'string',
         'parsed': 'boolean',
+        'closed_early': 'boolean',
+        'warnings': 'sequence<string>',
         'prompt_tokens': 'uint32',
         'generated_tokens': 'uint32',
         'time_to_first_token': 'double',

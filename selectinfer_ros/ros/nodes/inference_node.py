@@ -100,6 +100,8 @@ def result_message(outcome: Outcome) -> Generate.Result:
     m = res.metrics
     r.text, r.finish_reason = res.text, finish_reason(outcome, res.finish_reason)
     r.parsed = bool(res.parsed) and outcome.status == "succeeded"
+    r.closed_early = bool(res.closed_early) and r.parsed
+    r.warnings = [str(w) for w in res.warnings]
     r.prompt_tokens, r.generated_tokens = m.prompt_tokens, m.generated_tokens
     r.time_to_first_token, r.tokens_per_second = m.time_to_first_token, m.tokens_per_second
     r.cached_tokens = m.cached_tokens

@@ -88,7 +88,7 @@ def test_bringup_with_yaml_and_the_small_commands(tiny_llm, tmp_path):
 
         bad = _run_tool('selectinfer_ros.ros.tools.generate', 'w5', '--task', 'gamma',
                         '--namespace', ns)
-        assert bad.returncode == 1 and 'rejected' in bad.stderr
+        assert bad.returncode == 1 and "REJECTED: unknown task 'gamma'" in bad.stderr
 
         sw = _run_tool('selectinfer_ros.ros.tools.switch', 'beta', '--namespace', ns)
         assert sw.returncode == 0, sw.stdout + sw.stderr

@@ -55,4 +55,25 @@ def test_json_schema_goals_end_to_end_and_bad_ones_rejected_at_once(llm_graph, w
                        json_schema=json.dumps(schema)), timeout=60.0)
     assert run.status == GoalStatus.STATUS_SUCCEEDED
     assert run.result.finish_reason == 'length' and not run.result.parsed
-    assert rt.stats.rejected == 5 and rt.stats.succeeded == 3
+
+    # a long answer ends complete within its budget (closed early, flagged and counted); a
+    # lenient schema is answered and says what it ignored
+    ramble = {'type': 'object', 'required': ['name', 'tags', 'n'], 'properties': {
+        'name': {'type': 'string'}, 'tags': {'type': 'array', 'items': {'type': 'string'},
+                                             'minItems': 2},
+        'n': {'type': 'integer', 'minimum': 5}}}
+    run = g.run(g.goal('Write a long description of a robot as JSON: ', max_new_tokens=24,
+                       json_schema=json.dumps(ramble)), timeout=60.0)
+    r = run.result
+    assert r.finish_reason == 'closed' and r.parsed and r.closed_early, r.text
+    assert r.generated_tokens <= 24
+    jsonschema.validate(json.loads(r.text), ramble)
+    assert rt.stats.closed_early == 1 and g.node.snapshot().closed_early == 1
+    lenient = {'type': 'object', 'required': ['ids'], 'x-guidance': {'lenient': True},
+               'properties': {'ids': {'type': 'array', 'items': {'type': 'integer'},
+                                      'uniqueItems': True, 'maxItems': 3}}}
+    run = g.run(g.goal('IDs of the robots as JSON: ', max_new_tokens=32,
+                       json_schema=json.dumps(lenient)), timeout=60.0)
+    assert run.result.parsed and any('uniqueItems' in w for w in run.result.warnings)
+    assert not run.result.closed_early
+    assert rt.stats.rejected == 5 and rt.stats.succeeded == 5
