@@ -108,11 +108,11 @@ CLOSED = " (unclosed JSON, closed)"  # a form's suffix: the JSON read once its b
 _PYCALL = re.compile(r"([A-Za-z_][A-Za-z0-9_.]*)\s*\(")
 
 
-def _balanced(text: str, i: int) -> int:
-    """The end (exclusive) of the bracketed span that opens at ``text[i]``, strings skipped;
-    -1 when it does not close."""
+def _scan(text: str, i: int, pairs: dict, quotes: str) -> tuple[int, str, str]:
+    """The bracketed span that opens at ``text[i]`` (``pairs``: opener -> closer; strings in
+    ``quotes`` skipped): (its end, exclusive, or -1 when it does not close, -2 at a mismatched
+    bracket; the closers still open at the end; the quote still open at the end)."""
     stack, quote, k = [], "", i
-    pairs = {"{": "}", "[": "]", "(": ")"}
     while k < len(text):
         c = text[k]
         if quote:
@@ -120,42 +120,30 @@ def _balanced(text: str, i: int) -> int:
                 k += 1
             elif c == quote:
                 quote = ""
-        elif c in "\"'":
+        elif c in quotes:
             quote = c
         elif c in pairs:
             stack.append(pairs[c])
-        elif c in ")]}":
+        elif c in pairs.values():
             if not stack or stack.pop() != c:
-                return -1
+                return -2, "", quote
             if not stack:
-                return k + 1
+                return k + 1, "", quote
         k += 1
-    return -1
+    return -1, "".join(reversed(stack)), quote
+
+
+def _balanced(text: str, i: int) -> int:
+    """The end (exclusive) of the bracketed span that opens at ``text[i]``, strings skipped;
+    -1 when it does not close."""
+    return max(-1, _scan(text, i, {"{": "}", "[": "]", "(": ")"}, "\"'")[0])
 
 
 def _closers(text: str, i: int) -> str:
     """The brackets that would close what opens at ``text[i]`` and is still open at the end
     (strings skipped); '' when it closes, or ends inside a string."""
-    stack, quote, k = [], "", i
-    pairs = {"{": "}", "[": "]"}
-    while k < len(text):
-        c = text[k]
-        if quote:
-            if c == "\\":
-                k += 1
-            elif c == quote:
-                quote = ""
-        elif c == '"':
-            quote = c
-        elif c in pairs:
-            stack.append(pairs[c])
-        elif c in "]}":
-            if not stack or stack.pop() != c:
-                return ""
-            if not stack:
-                return ""
-        k += 1
-    return "" if quote else "".join(reversed(stack))
+    end, still_open, quote = _scan(text, i, {"{": "}", "[": "]"}, '"')
+    return still_open if end == -1 and not quote else ""
 
 
 def _value_at(text: str, i: int):
