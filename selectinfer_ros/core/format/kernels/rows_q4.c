@@ -79,6 +79,28 @@ static inline __m128i q4_head_vec(const uint8_t *h) {
 }
 #endif
 
+#if defined(SI_AVX512)
+/* q4_head_vec of the heads at h (lane 0) and h + Q4_HEAD (lane 1; zero unless two): the same
+   shuffles in each 128-bit lane. */
+static inline __m256i q4_head_vec2(const uint8_t *h, int two) {
+    const __m256i v = two ? _mm256_loadu_si256((const __m256i *)h)
+                          : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)h));
+    const __m256i x = _mm256_shuffle_epi8(v, _mm256_setr_epi8(
+        4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15,
+        4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m256i t = _mm256_shuffle_epi8(v, _mm256_setr_epi8(
+        -1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11,
+        -1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+    const __m256i low = _mm256_or_si256(
+        _mm256_and_si256(x, _mm256_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0,
+                                             63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
+        _mm256_and_si256(_mm256_srli_epi16(x, 4),
+                         _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15,
+                                          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
+    return _mm256_or_si256(low, _mm256_and_si256(_mm256_srli_epi16(t, 2), _mm256_set1_epi8(0x30)));
+}
+#endif
+
 /* Head bytes of a row of K weights. */
 static inline int64_t q4_head_bytes(int64_t K) { return (K + Q4_SB - 1) / Q4_SB * Q4_HEAD; }
 
@@ -312,6 +334,27 @@ static inline void prefetch_column(const uint8_t *w, const uint8_t *hd, int64_t 
 static void quant_coeffs(const float *D, const float *Mt, int64_t G, int64_t nbc, int16_t *cq,
                          float *s, int32_t *cs, float *kb) {
     int64_t b = 0;
+#if defined(SI_AVX512)
+    for (; b + 16 <= nbc; b += 16) { /* 16 sub-blocks a pass: the 8-wide loop's operations */
+        __m512 mx = _mm512_setzero_ps();
+        for (int64_t i = 0; i < G; i++)
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(D + i * DB + b)));
+        __m512 sc = _mm512_div_ps(mx, _mm512_set1_ps(127.0f));
+        __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(sc, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                         _mm512_set1_ps(1.0f), sc);
+        _mm512_storeu_ps(s + b, sc);
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t i = 0; i < G; i++) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(D + i * DB + b), inv));
+            sum = _mm512_add_epi32(sum, q); /* nearest, ties to even */
+            _mm256_storeu_si256((__m256i *)(cq + i * DB + b), _mm512_cvtsepi32_epi16(q));
+        }
+        _mm512_storeu_si512(cs + b, sum);
+        _mm512_storeu_ps(kb + b, _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(8.0f),
+                                                             _mm512_mul_ps(sc, _mm512_cvtepi32_ps(sum))),
+                                               _mm512_loadu_ps(Mt + b)));
+    }
+#endif
 #if defined(SI_AVX2) || defined(SI_AVX512)
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (; b + 8 <= nbc; b += 8) {
@@ -367,6 +410,32 @@ static void down_coeffs(const float *a, const uint8_t *hd, int64_t ldh, const in
        entry order on every path). A partial last super-block writes a few unread columns. */
     float D[DG * DB], Mt[DB];
     for (int64_t b = 0; b < DB; b++) Mt[b] = 0.0f;
+#if defined(SI_AVX512)
+    /* Two super-blocks (16 sub-blocks) a step: their heads unpacked side by side in one
+       register, d and dmin of both converted at once; per element the 8-wide code's products. */
+    const __m512i lo8 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i hi8 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+    for (int64_t i = 0; i < G; i++) {
+        const uint8_t *h = hd + (idx ? idx[g0 + i] : g0 + i) * ldh + bc / 8 * Q4_HEAD;
+        const __m512 ai = _mm512_set1_ps(a[g0 + i]);
+        for (int64_t b = 0; b < nbc; b += 16, h += 2 * Q4_HEAD) {
+            const int two = b + 8 < nbc;
+            __m256i sm = q4_head_vec2(h, two); /* lane 0: super-block b / 8, lane 1: the next */
+            int32_t w0, w1 = 0;
+            memcpy(&w0, h, 4);
+            if (two) memcpy(&w1, h + Q4_HEAD, 4);
+            /* [d, dmin] of both, times a: fl(a d) as the 8-wide code's half_to_float product */
+            __m512 dd = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_setr_epi32(w0, w1, 0, 0)));
+            dd = _mm512_mul_ps(ai, dd);
+            __m512 ad = _mm512_permutexvar_ps(lo8, dd), am = _mm512_permutexvar_ps(hi8, dd);
+            __m128i sc = _mm_unpacklo_epi64(_mm256_castsi256_si128(sm), _mm256_extracti128_si256(sm, 1));
+            __m128i mn = _mm_unpackhi_epi64(_mm256_castsi256_si128(sm), _mm256_extracti128_si256(sm, 1));
+            _mm512_storeu_ps(D + i * DB + b, _mm512_mul_ps(ad, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc))));
+            _mm512_storeu_ps(Mt + b, _mm512_add_ps(_mm512_loadu_ps(Mt + b),
+                                                   _mm512_mul_ps(am, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)))));
+        }
+    }
+#else
     for (int64_t i = 0; i < G; i++) {
         const uint8_t *h = hd + (idx ? idx[g0 + i] : g0 + i) * ldh + bc / 8 * Q4_HEAD;
         float ai = a[g0 + i];
@@ -393,6 +462,7 @@ static void down_coeffs(const float *a, const uint8_t *hd, int64_t ldh, const in
 #endif
         }
     }
+#endif
     quant_coeffs(D, Mt, G, nbc, cq, s, cs, kb);
 }
 

@@ -58,40 +58,58 @@ static inline void il_scales(const uint8_t *pl, int j, __m128i *sc, __m128i *mn)
 }
 #endif
 
+#if defined(SI_AVX512)
+/* The 4 int8 at p (an activation word) in every 32-bit lane: a broadcast memory operand. */
+static inline __m512i bcast_word(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+#endif
+
 /* y[0, 16) = the group's rows (w: nibbles, h: heads) against one activation row (xq, xd, xs as
    quantize_blocks makes them, K columns). */
 static void il_group(const uint8_t *w, const uint8_t *h, int64_t K, const int8_t *xq,
                      const float *xd, const int32_t *xs, float *y) {
     int64_t ns = (K + Q4_SB - 1) / Q4_SB, pairs = K / (2 * QK);
 #if defined(SI_AVX512)
+    /* Per chunk: one load, the low nibbles (and), the high ones where they lie (VNNI: andnot,
+       16 q; the sub-block's scale takes the 1 / 16, exactly), two dot products whose activation
+       word is a broadcast memory operand. */
+#if defined(SI_VNNI512)
+    const float hi_scale = 0.0625f;
+#else
+    const float hi_scale = 1.0f;
+#endif
     __m512 acc = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t s = 0; s < ns; s++, h += IL_HEAD) {
         int64_t np = pairs - 4 * s < 4 ? pairs - 4 * s : 4;
         const uint8_t *ws = w + s * IL * (Q4_SB / 2);
+        float xm[8]; /* xd[j] xs[j] of the super-block's sub-blocks */
+        const __mmask8 live = (__mmask8)((1u << (2 * np)) - 1);
+        _mm256_storeu_ps(xm, _mm256_mul_ps(_mm256_maskz_loadu_ps(live, xd + 8 * s),
+                                           _mm256_cvtepi32_ps(_mm256_maskz_loadu_epi32(live, xs + 8 * s))));
         __m512 sacc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
         for (int64_t p = 0; p < np; p++) {
             const int8_t *x0 = xq + s * Q4_SB + 64 * p, *x1 = x0 + QK; /* sub-blocks 2p, 2p + 1 */
             __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;
             for (int c = 0; c < 8; c += 2) {
-                __m512i r0 = _mm512_loadu_si512(ws + (p * 8 + c) * 64);
-                __m512i r1 = _mm512_loadu_si512(ws + (p * 8 + c + 1) * 64);
-                int32_t v[4];
-                memcpy(v, x0 + 4 * c, 8);
-                memcpy(v + 2, x1 + 4 * c, 8);
-                __m512i l0 = _mm512_and_si512(r0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), low);
-                __m512i l1 = _mm512_and_si512(r1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), low);
+                const uint8_t *wc = ws + (p * 8 + c) * 64;
+                __m512i r0 = _mm512_loadu_si512(wc), r1 = _mm512_loadu_si512(wc + 64);
 #if defined(SI_VNNI512)
-                a0 = _mm512_dpbusd_epi32(a0, l0, _mm512_set1_epi32(v[0]));
-                a1 = _mm512_dpbusd_epi32(a1, l1, _mm512_set1_epi32(v[1]));
-                b0 = _mm512_dpbusd_epi32(b0, h0, _mm512_set1_epi32(v[2]));
-                b1 = _mm512_dpbusd_epi32(b1, h1, _mm512_set1_epi32(v[3]));
+                a0 = _mm512_dpbusd_epi32(a0, _mm512_and_si512(r0, low), bcast_word(x0 + 4 * c));
+                a1 = _mm512_dpbusd_epi32(a1, _mm512_and_si512(r1, low), bcast_word(x0 + 4 * c + 4));
+                b0 = _mm512_dpbusd_epi32(b0, _mm512_andnot_si512(low, r0), bcast_word(x1 + 4 * c));
+                b1 = _mm512_dpbusd_epi32(b1, _mm512_andnot_si512(low, r1), bcast_word(x1 + 4 * c + 4));
 #else
                 const __m512i one = _mm512_set1_epi16(1);
-                a0 = _mm512_add_epi32(a0, _mm512_madd_epi16(_mm512_maddubs_epi16(l0, _mm512_set1_epi32(v[0])), one));
-                a1 = _mm512_add_epi32(a1, _mm512_madd_epi16(_mm512_maddubs_epi16(l1, _mm512_set1_epi32(v[1])), one));
-                b0 = _mm512_add_epi32(b0, _mm512_madd_epi16(_mm512_maddubs_epi16(h0, _mm512_set1_epi32(v[2])), one));
-                b1 = _mm512_add_epi32(b1, _mm512_madd_epi16(_mm512_maddubs_epi16(h1, _mm512_set1_epi32(v[3])), one));
+                __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), low);
+                __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), low);
+                a0 = _mm512_add_epi32(a0, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(r0, low), bcast_word(x0 + 4 * c)), one));
+                a1 = _mm512_add_epi32(a1, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(r1, low), bcast_word(x0 + 4 * c + 4)), one));
+                b0 = _mm512_add_epi32(b0, _mm512_madd_epi16(_mm512_maddubs_epi16(h0, bcast_word(x1 + 4 * c)), one));
+                b1 = _mm512_add_epi32(b1, _mm512_madd_epi16(_mm512_maddubs_epi16(h1, bcast_word(x1 + 4 * c + 4)), one));
 #endif
             }
             int64_t j0 = 8 * s + 2 * p;
@@ -99,15 +117,16 @@ static void il_group(const uint8_t *w, const uint8_t *h, int64_t K, const int8_t
             il_scales(h + 4 * IL, (int)(2 * p), &sc0, &mn0);
             il_scales(h + 4 * IL, (int)(2 * p + 1), &sc1, &mn1);
             __m512 s0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc0));
-            __m512 s1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc1));
+            __m512 s1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc1)),
+                                      _mm512_set1_ps(hi_scale));
             __m512 m0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn0));
             __m512 m1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn1));
             sacc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), s0),
                                    _mm512_set1_ps(xd[j0]), sacc);
             sacc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)), s1),
                                    _mm512_set1_ps(xd[j0 + 1]), sacc);
-            macc = _mm512_fmadd_ps(m0, _mm512_set1_ps(xd[j0] * (float)xs[j0]), macc);
-            macc = _mm512_fmadd_ps(m1, _mm512_set1_ps(xd[j0 + 1] * (float)xs[j0 + 1]), macc);
+            macc = _mm512_fmadd_ps(m0, _mm512_set1_ps(xm[2 * p]), macc);
+            macc = _mm512_fmadd_ps(m1, _mm512_set1_ps(xm[2 * p + 1]), macc);
         }
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
         __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 2 * IL)));
