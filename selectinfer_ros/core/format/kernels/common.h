@@ -64,6 +64,23 @@
 #define PF_AT(w, o, nfull, skip) \
     ((w) + (o) + PF + ((o) + PF >= (nfull) * QK ? (skip) : 0))
 
+/* Lines fetched while a product computes: a cursor over bytes read next (the next group of
+   4-bit records), advanced a few lines at each step of a product that takes one (NULL: none).
+   A group's products alternate between phases that read (the rows) and phases that only
+   compute (the down coefficients); fetching the next group through all of them keeps the
+   memory busy where the hardware prefetchers, driven by the reads, would idle. */
+#ifndef PF_HINT
+#define PF_HINT 2 /* into L2 */
+#endif
+typedef struct {
+    const uint8_t *p, *end;
+} si_pf;
+
+static inline void pf_step(si_pf *f, int lines) {
+    if (!f) return;
+    for (int i = 0; i < lines && f->p < f->end; i++, f->p += 64) __builtin_prefetch(f->p, 0, PF_HINT);
+}
+
 /* x [K] blocks [b0, b1) -> xq (zero padded to whole blocks), xd block scales, xs (NULL: not
    wanted) the blocks' sums of xq (the 4-bit products' minimums, see q4_row). */
 static void quantize_blocks(const float *x, int64_t K, int64_t b0, int64_t b1, int8_t *xq,

@@ -33,7 +33,7 @@ static void down_q4_group(const si_layer *L, int64_t H, const float *a, const in
     for (int64_t i = 0; i < G; i++) wr[i] = L->rec + (idx ? idx[n0 + i] : n0 + i) * RL + H;
     for (int64_t bc = 0; bc < nb; bc += DB) {
         int64_t nbc = nb - bc < DB ? nb - bc : DB;
-        down_coeffs(a, hd, RL, idx, n0, G, bc, nbc, cq, s, cs, kb);
+        down_coeffs(a, hd, RL, idx, n0, G, bc, nbc, cq, s, cs, kb, NULL);
         axpy_q4_group(wr, G, cq, s, cs, kb, bc, nbc, y, pf ? L->rec + H : NULL, hd, RL, RL, idx,
                       n0, k);
     }
@@ -111,14 +111,15 @@ static void groups_q4(const si_model *m, const si_model *R, const si_layer *L, i
     for (int64_t g = g0; g < g1; g++) {
         int64_t n0 = g * GS, G = k - n0 < GS ? k - n0 : GS;
         const uint8_t *blk = L->rec + g * gb;
+        si_pf pf = {blk + gb, g + 1 < g1 ? blk + 2 * gb : blk + gb}; /* the next group, meanwhile */
         for (int64_t b = 0; b < B; b++) {
             const si_model *rb = &R[b];
             const float *mk = mks[b];
             float gv[GS], uv[GS], *a = rb->a + n0;
-            q4g_gate_up(blk, H, G, rb->xq, rb->xd, rb->xs, gv, uv);
+            q4g_gate_up(blk, H, G, rb->xq, rb->xd, rb->xs, gv, uv, &pf);
             for (int64_t i = 0; i < G; i++)
                 a[i] = mk && mk[n0 + i] == 0.0f ? 0.0f : act(gv[i], m->act) * uv[i];
-            down_q4g(blk, H, a, G, q4_part(rb, t, tiered));
+            down_q4g(blk, H, a, G, q4_part(rb, t, tiered), &pf);
         }
     }
 }

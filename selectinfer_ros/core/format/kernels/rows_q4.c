@@ -405,7 +405,7 @@ static void quant_coeffs(const float *D, const float *Mt, int64_t G, int64_t nbc
    is a[j] with the heads of row idx[j] of hd (idx NULL: row j). */
 static void down_coeffs(const float *a, const uint8_t *hd, int64_t ldh, const int32_t *idx,
                         int64_t g0, int64_t G, int64_t bc, int64_t nbc, int16_t *cq, float *s,
-                        int32_t *cs, float *kb) {
+                        int32_t *cs, float *kb, si_pf *pf) {
     /* D: entry i's a * d * sc per sub-block; Mt: the sum over the entries of a * dmin * m (in
        entry order on every path). A partial last super-block writes a few unread columns. */
     float D[DG * DB], Mt[DB];
@@ -420,6 +420,7 @@ static void down_coeffs(const float *a, const uint8_t *hd, int64_t ldh, const in
         const __m512 ai = _mm512_set1_ps(a[g0 + i]);
         for (int64_t b = 0; b < nbc; b += 16, h += 2 * Q4_HEAD) {
             const int two = b + 8 < nbc;
+            pf_step(pf, 2);
             __m256i sm = q4_head_vec2(h, two); /* lane 0: super-block b / 8, lane 1: the next */
             int32_t w0, w1 = 0;
             memcpy(&w0, h, 4);
@@ -440,6 +441,7 @@ static void down_coeffs(const float *a, const uint8_t *hd, int64_t ldh, const in
         const uint8_t *h = hd + (idx ? idx[g0 + i] : g0 + i) * ldh + bc / 8 * Q4_HEAD;
         float ai = a[g0 + i];
         for (int64_t b = 0; b < nbc; b += 8, h += Q4_HEAD) {
+            pf_step(pf, 2);
 #if defined(SI_AVX2) || defined(SI_AVX512)
             uint16_t hdm[2];
             memcpy(hdm, h, 4);
@@ -700,7 +702,7 @@ static void axpy_q4_rows(const float *a, int64_t M, int64_t lda, int64_t k, cons
             int64_t G = k - g0 < DG ? k - g0 : DG;
             for (int64_t i = 0; i < G; i++) wr[i] = w + (g0 + i) * ldw;
             if (M == 1) {
-                down_coeffs(a, hd, ldh, NULL, g0, G, bc, nbc, cq, s, cs, kb);
+                down_coeffs(a, hd, ldh, NULL, g0, G, bc, nbc, cq, s, cs, kb, NULL);
                 axpy_q4_group(wr, G, cq, s, cs, kb, bc, nbc, y, w, hd, ldw, ldh, NULL, g0, k);
                 continue;
             }

@@ -116,18 +116,19 @@ int si_q4g_get(const uint8_t *blk, int64_t k, int64_t H, const int64_t *ids, int
 /* The gate and up values of a group's first G slots against one activation row (xq, xd, xs):
    gv[i], uv[i] (i < G; the other entries are left as they are). */
 static void q4g_gate_up(const uint8_t *g, int64_t H, int64_t G, const int8_t *xq, const float *xd,
-                        const int32_t *xs, float *gv, float *uv) {
+                        const int32_t *xs, float *gv, float *uv, si_pf *pf) {
     for (int j = 0; j * IL < G; j++) {
         const uint8_t *gw = g + q4g_gate(H, j), *uw = g + q4g_up(H, j);
-        il_group(gw, gw + IL * H / 2, H, xq, xd, xs, gv + j * IL);
-        il_group(uw, uw + IL * H / 2, H, xq, xd, xs, uv + j * IL);
+        il_group(gw, gw + IL * H / 2, H, xq, xd, xs, gv + j * IL, pf);
+        il_group(uw, uw + IL * H / 2, H, xq, xd, xs, uv + j * IL, pf);
     }
 }
 
 /* y[sub-blocks bc .. bc + nbc) += the group's down product (d: its down nibbles) with the
    coefficients of its first G slots (down_coeffs): axpy_q4_quads' sums, read in order. */
 static void axpy_q4g(const uint8_t *d, int64_t G, const int16_t *cq, const float *s,
-                     const int32_t *cs, const float *kb, int64_t bc, int64_t nbc, float *y) {
+                     const int32_t *cs, const float *kb, int64_t bc, int64_t nbc, float *y,
+                     si_pf *pf) {
     const int64_t nq = (G + 3) / 4;
 #if defined(SI_AVX2) || defined(SI_AVX512)
     enum { NQ = GS / 4 };
@@ -147,6 +148,7 @@ static void axpy_q4g(const uint8_t *d, int64_t G, const int16_t *cq, const float
         const uint8_t *wp = d + (b / 2) * (GS / 4) * 128;
         for (int64_t m = 0; m < nq; m++) {
             __m512i A = _mm512_loadu_si512(wp + m * 128), B = _mm512_loadu_si512(wp + m * 128 + 64);
+            pf_step(pf, 2);
             __m512i c0 = _mm512_set1_epi32(cw[m * DB + (b - bc)]);
             __m512i c1 = _mm512_set1_epi32(cw[m * DB + (b - bc) + 1]);
             __m512i al = _mm512_and_si512(A, low), bl = _mm512_and_si512(B, low);
@@ -182,6 +184,7 @@ static void axpy_q4g(const uint8_t *d, int64_t G, const int16_t *cq, const float
         for (int t = 0; t < 4; t++) lo[t] = hi[t] = _mm256_setzero_si256();
         const uint8_t *wp = d + (b / 2) * (GS / 4) * 128;
         for (int64_t m = 0; m < nq; m++) {
+            pf_step(pf, 2);
             __m256i c0 = _mm256_set1_epi32(cw[m * DB + (b - bc)]);
             __m256i c1 = _mm256_set1_epi32(cw[m * DB + (b - bc) + 1]);
             for (int t = 0; t < 4; t++) {
@@ -220,20 +223,20 @@ static void axpy_q4g(const uint8_t *d, int64_t G, const int16_t *cq, const float
         for (int p = 0; p < QK; p++) yb[p] += s0 * (float)acc[p] + k0;
         for (int p = 0; p < QK; p++) yb[QK + p] += s1 * (float)acc[QK + p] + k1;
     }
-    (void)nq, (void)cs;
+    (void)nq, (void)cs, (void)pf;
 #endif
 }
 
 /* y [H] += the down product of group block g's first G slots with activations a[0 .. G). */
-static void down_q4g(const uint8_t *g, int64_t H, const float *a, int64_t G, float *y) {
+static void down_q4g(const uint8_t *g, int64_t H, const float *a, int64_t G, float *y, si_pf *pf) {
     const int64_t nb = H / QK;
     int16_t cq[DG * DB];
     float s[DB], kb[DB];
     int32_t cs[DB];
     for (int64_t bc = 0; bc < nb; bc += DB) {
         int64_t nbc = nb - bc < DB ? nb - bc : DB;
-        down_coeffs(a, g + q4g_dheads(H), q4_head_bytes(H), NULL, 0, G, bc, nbc, cq, s, cs, kb);
-        axpy_q4g(g + q4g_down(H), G, cq, s, cs, kb, bc, nbc, y);
+        down_coeffs(a, g + q4g_dheads(H), q4_head_bytes(H), NULL, 0, G, bc, nbc, cq, s, cs, kb, pf);
+        axpy_q4g(g + q4g_down(H), G, cq, s, cs, kb, bc, nbc, y, pf);
     }
 }
 
@@ -255,7 +258,7 @@ int si_q4g_linear(const float *x, int64_t M, int64_t H, const uint8_t *blk, int6
             int64_t G = k - g * GS < GS ? k - g * GS : GS;
             for (int64_t m = 0; m < M; m++) {
                 q4g_gate_up(blk + g * q4g_bytes(H), H, G, q.xq + m * nb * QK, q.xd + m * nb,
-                            q.xs + m * nb, gv, uv);
+                            q.xs + m * nb, gv, uv, NULL);
                 float *o = out + (m * k + g * GS) * 2;
                 for (int64_t i = 0; i < G; i++) {
                     o[2 * i] = gv[i];
@@ -292,14 +295,15 @@ int si_q4g_down(const float *a, int64_t M, int64_t k, const uint8_t *blk, int64_
                 int64_t G = k - g * GS < GS ? k - g * GS : GS;
                 const uint8_t *dh = gb + q4g_dheads(H);
                 if (M == 1) {
-                    down_coeffs(a + g * GS, dh, q4_head_bytes(H), NULL, 0, G, bc, nbc, cq, s, cs, kb);
-                    axpy_q4g(gb + q4g_down(H), G, cq, s, cs, kb, bc, nbc, y);
+                    down_coeffs(a + g * GS, dh, q4_head_bytes(H), NULL, 0, G, bc, nbc, cq, s, cs, kb,
+                                NULL);
+                    axpy_q4g(gb + q4g_down(H), G, cq, s, cs, kb, bc, nbc, y, NULL);
                     continue;
                 }
                 down_heads(dh, q4_head_bytes(H), NULL, 0, G, bc, nbc, dm, hs, hm);
                 for (int64_t m = 0; m < M; m++) {
                     coeffs_from_heads(a + m * k + g * GS, 0, G, nbc, dm, hs, hm, cq, s, cs, kb);
-                    axpy_q4g(gb + q4g_down(H), G, cq, s, cs, kb, bc, nbc, y + m * H);
+                    axpy_q4g(gb + q4g_down(H), G, cq, s, cs, kb, bc, nbc, y + m * H, NULL);
                 }
             }
         }

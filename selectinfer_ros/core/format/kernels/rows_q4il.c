@@ -70,7 +70,7 @@ static inline __m512i bcast_word(const int8_t *p) {
 /* y[0, 16) = the group's rows (w: nibbles, h: heads) against one activation row (xq, xd, xs as
    quantize_blocks makes them, K columns). */
 static void il_group(const uint8_t *w, const uint8_t *h, int64_t K, const int8_t *xq,
-                     const float *xd, const int32_t *xs, float *y) {
+                     const float *xd, const int32_t *xs, float *y, si_pf *pf) {
     int64_t ns = (K + Q4_SB - 1) / Q4_SB, pairs = K / (2 * QK);
 #if defined(SI_AVX512)
     /* Per chunk: one load, the low nibbles (and), the high ones where they lie (VNNI: andnot,
@@ -97,6 +97,7 @@ static void il_group(const uint8_t *w, const uint8_t *h, int64_t K, const int8_t
             for (int c = 0; c < 8; c += 2) {
                 const uint8_t *wc = ws + (p * 8 + c) * 64;
                 __m512i r0 = _mm512_loadu_si512(wc), r1 = _mm512_loadu_si512(wc + 64);
+                pf_step(pf, 2);
 #if defined(SI_VNNI512)
                 a0 = _mm512_dpbusd_epi32(a0, _mm512_and_si512(r0, low), bcast_word(x0 + 4 * c));
                 a1 = _mm512_dpbusd_epi32(a1, _mm512_and_si512(r1, low), bcast_word(x0 + 4 * c + 4));
@@ -147,6 +148,7 @@ static void il_group(const uint8_t *w, const uint8_t *h, int64_t K, const int8_t
             __m256i a[2], b[2]; /* low nibbles x sub-block 2p, high x 2p + 1 */
             a[0] = a[1] = b[0] = b[1] = _mm256_setzero_si256();
             for (int c = 0; c < 8; c++) {
+                pf_step(pf, 1);
                 int32_t v0, v1;
                 memcpy(&v0, x0 + 4 * c, 4);
                 memcpy(&v1, x1 + 4 * c, 4);
@@ -188,6 +190,7 @@ static void il_group(const uint8_t *w, const uint8_t *h, int64_t K, const int8_t
     _mm256_storeu_ps(y, acc[0]);
     _mm256_storeu_ps(y + 8, acc[1]);
 #else
+    (void)pf;
     for (int r = 0; r < IL; r++) y[r] = 0.0f;
     for (int64_t s = 0; s < ns; s++, h += IL_HEAD) {
         int64_t np = pairs - 4 * s < 4 ? pairs - 4 * s : 4;
@@ -241,7 +244,7 @@ int si_linear_q4il(const float *x, int64_t M, int64_t K, const uint8_t *w, const
         for (int64_t g = g0; g < g1; g++)
             for (int64_t m = 0; m < M; m++) {
                 il_group(w + g * IL * (K / 2), h + g * hb, K, xq + m * nb * QK, xd + m * nb,
-                         xs + m * nb, out);
+                         xs + m * nb, out, NULL);
                 memcpy(y + m * N + g * IL, out, sizeof out);
             }
     }

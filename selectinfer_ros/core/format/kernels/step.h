@@ -205,7 +205,7 @@ static void gemv_rows(const si_mat *mt, const si_model *R, int64_t B, const floa
         for (int64_t g = n0; g < n1; g++)
             for (int64_t b = 0; b < B; b++) {
                 const si_model *r = &R[b];
-                il_group(w + g * IL * (mt->k / 2), mt->d + g * hb, mt->k, r->xq, r->xd, r->xs, out);
+                il_group(w + g * IL * (mt->k / 2), mt->d + g * hb, mt->k, r->xq, r->xd, r->xs, out, NULL);
                 for (int i = 0; i < IL; i++)
                     y[b * ldy + g * IL + i] = out[i] + (mt->bias ? mt->bias[g * IL + i] : 0.0f);
             }
