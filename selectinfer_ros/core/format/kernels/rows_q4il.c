@@ -59,6 +59,20 @@ static inline void il_scales(const uint8_t *pl, int j, __m128i *sc, __m128i *mn)
 #endif
 
 #if defined(SI_AVX512)
+/* Every sub-block's scales and minimums of the 16 rows at once (il_scales for j = 0 .. 7, four
+   sub-blocks a register): sm[0][j], sm[1][j]. */
+static inline void il_scales_all(const uint8_t *pl, uint8_t sm[2][8][IL]) {
+    const __m512i p03 = _mm512_loadu_si512(pl), p47 = _mm512_loadu_si512(pl + 4 * IL);
+    const __m512i p8b = _mm512_loadu_si512(pl + 8 * IL);
+    const __m512i m6 = _mm512_set1_epi8(63), m4 = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
+    /* (a & m4) | b, b holding only bits 4, 5: ternary logic A ? (C ? a : b) with C = m4 */
+    _mm512_storeu_si512(sm[0][0], _mm512_and_si512(p03, m6));
+    _mm512_storeu_si512(sm[1][0], _mm512_and_si512(p47, m6));
+    _mm512_storeu_si512(sm[0][4], _mm512_ternarylogic_epi32(p8b, _mm512_and_si512(_mm512_srli_epi16(p03, 2), top), m4, 0xE4));
+    _mm512_storeu_si512(sm[1][4], _mm512_ternarylogic_epi32(_mm512_srli_epi16(p8b, 4),
+                                                            _mm512_and_si512(_mm512_srli_epi16(p47, 2), top), m4, 0xE4));
+}
+
 /* The 4 int8 at p (an activation word) in every 32-bit lane: a broadcast memory operand. */
 static inline __m512i bcast_word(const int8_t *p) {
     int32_t v;
@@ -90,6 +104,8 @@ static void il_group(const uint8_t *w, const uint8_t *h, int64_t K, const int8_t
         const __mmask8 live = (__mmask8)((1u << (2 * np)) - 1);
         _mm256_storeu_ps(xm, _mm256_mul_ps(_mm256_maskz_loadu_ps(live, xd + 8 * s),
                                            _mm256_cvtepi32_ps(_mm256_maskz_loadu_epi32(live, xs + 8 * s))));
+        uint8_t sm[2][8][IL]; /* the 16 rows' scales [0] and minimums [1] of sub-block j */
+        il_scales_all(h + 4 * IL, sm);
         __m512 sacc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
         for (int64_t p = 0; p < np; p++) {
             const int8_t *x0 = xq + s * Q4_SB + 64 * p, *x1 = x0 + QK; /* sub-blocks 2p, 2p + 1 */
@@ -114,14 +130,11 @@ static void il_group(const uint8_t *w, const uint8_t *h, int64_t K, const int8_t
 #endif
             }
             int64_t j0 = 8 * s + 2 * p;
-            __m128i sc0, mn0, sc1, mn1;
-            il_scales(h + 4 * IL, (int)(2 * p), &sc0, &mn0);
-            il_scales(h + 4 * IL, (int)(2 * p + 1), &sc1, &mn1);
-            __m512 s0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc0));
-            __m512 s1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc1)),
+            __m512 s0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sm[0][2 * p])));
+            __m512 s1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sm[0][2 * p + 1]))),
                                       _mm512_set1_ps(hi_scale));
-            __m512 m0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn0));
-            __m512 m1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn1));
+            __m512 m0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sm[1][2 * p])));
+            __m512 m1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sm[1][2 * p + 1])));
             sacc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), s0),
                                    _mm512_set1_ps(xd[j0]), sacc);
             sacc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)), s1),
