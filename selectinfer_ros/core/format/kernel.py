@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import subprocess
@@ -31,7 +32,7 @@ def source_bytes() -> bytes:
     """Every source file of the library (kernel.c includes the others), for the build's hash."""
     return b"".join(f.name.encode() + f.read_bytes() for f in sorted(SOURCE.parent.iterdir())
                     if f.suffix in (".c", ".h"))
-ABI_VERSION = 19
+ABI_VERSION = 20
 ISA_ENV = "SELECTINFER_KERNEL_ISA"
 
 # (name, cpuinfo flags it needs, compiler flags), best first, per machine
@@ -158,7 +159,7 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
     return set()
 
 
-def cpu_description(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+def cpu_description(cpuinfo: str | Path = "/proc/cpuinfo", with_kernel: bool = True) -> str:
     """The CPU as a figure should name it: model name, x86 family/model, and the kernel's path
     (``AMD EPYC (family 25 model 1), kernel avx2``)."""
     info: dict[str, str] = {}
@@ -171,8 +172,14 @@ def cpu_description(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
     name = info.get("model name") or info.get("Hardware") or platform.processor() or platform.machine()
     if "cpu family" in info:
         name += f" (family {info['cpu family']} model {info.get('model', '?')})"
+    if not with_kernel:
+        return name
     k = kernel()
-    return f"{name}, kernel {k.isa if k is not None else 'none'}"
+    if k is None:
+        return f"{name}, kernel none"
+    t = tuning()
+    fetch = f", 4-bit fetch {t['pf_half']}/2 ({t['source']})" if k.lib.si_q4g_pays() else ""
+    return f"{name}, kernel {k.isa}{fetch}"
 
 
 def candidates(machine: str | None = None, flags: set[str] | None = None,
@@ -315,6 +322,10 @@ def _open(out: Path, name: str) -> Kernel:
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.si_tune.restype, lib.si_tune.argtypes = ctypes.c_int, [ctypes.c_int]
+    f = lib.si_q4g_calibrate  # (H, groups, pf_half, repeats) -> seconds of the best pass
+    f.restype = ctypes.c_double
+    f.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     f = lib.si_axpy_q4
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -323,9 +334,71 @@ def _open(out: Path, name: str) -> Kernel:
     return Kernel(lib, name, bool(lib.si_openmp()), out)
 
 
+# -- the fetch, tuned by measuring --------------------------------------------------------
+PF_ENV = "SELECTINFER_KERNEL_PF"  # 0-4: the 4-bit groups' fetch setting, no calibration
+PF_CHOICES = (0, 1, 2, 3)  # si_pf_half: none, half, all of a step's lines, half as many again
+CALIBRATE_H = 1536  # the calibration's groups: Qwen2.5 1.5B's rows, ~96 MB (beyond an L3)
+CALIBRATE_BYTES = 96 << 20
+
+
+def calibrate(k: Kernel, choices=PF_CHOICES, hidden: int = CALIBRATE_H,
+              nbytes: int = CALIBRATE_BYTES, repeats: int = 3) -> dict[int, float]:
+    """GB/s of the 4-bit groups' MLP product from memory (one row, this thread) at each fetch
+    setting, measured (``si_q4g_calibrate``)."""
+    n = max(2, nbytes // k.lib.si_q4g_bytes(32, hidden))
+    out = {}
+    for c in choices:
+        t = k.lib.si_q4g_calibrate(hidden, n, c, repeats)
+        if t <= 0:
+            raise KernelError(f"si_q4g_calibrate failed ({t})")
+        out[c] = n * k.lib.si_q4g_bytes(32, hidden) / t / 1e9
+    return out
+
+
+def tune(k: Kernel, cache: Path | None = None) -> dict:
+    """Set the fetch of the 4-bit groups (si_tune) to the fastest setting measured on this CPU:
+    ``$SELECTINFER_KERNEL_PF`` when set, else the choice cached for this CPU model, instruction
+    set and library in ``<cache>/kernels/tuning.json``, else a calibration (~0.5 s, once per
+    CPU model) whose result is cached. Returns ``{"pf_half", "source", "gbps"}``."""
+    if not k.lib.si_q4g_pays():  # the groups are not used on this path
+        return {"pf_half": k.lib.si_tune(-1), "source": "default (no groups)", "gbps": {}}
+    forced = os.environ.get(PF_ENV)
+    if forced:
+        if forced not in {str(c) for c in range(5)}:
+            raise KernelError(f"{PF_ENV}={forced!r}: not one of 0-4")
+        return {"pf_half": k.lib.si_tune(int(forced)), "source": PF_ENV, "gbps": {}}
+    from .paths import cache_root
+    path = (cache or cache_root() / "kernels") / "tuning.json"
+    key = f"{cpu_model()} | {k.isa} | {k.path.name}"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(key)
+    if not isinstance(entry, dict) or entry.get("pf_half") not in PF_CHOICES:
+        gbps = calibrate(k)
+        entry = {"pf_half": max(gbps, key=gbps.get), "gbps": {str(c): round(v, 2) for c, v in gbps.items()}}
+        known[key] = entry
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1) + "\n")
+        os.replace(tmp, path)
+        source = "calibrated"
+    else:
+        source = "cached"
+    return {"pf_half": k.lib.si_tune(int(entry["pf_half"])), "source": source,
+            "gbps": entry.get("gbps", {})}
+
+
+def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The CPU model as /proc/cpuinfo names it (model name, x86 family / model)."""
+    return cpu_description(cpuinfo, with_kernel=False)
+
+
 _lock = threading.Lock()
 _kernel: Kernel | None = None
 _error: str | None = None
+_tuning: dict = {}
 
 
 def kernel() -> Kernel | None:
@@ -335,9 +408,16 @@ def kernel() -> Kernel | None:
         if _kernel is None and _error is None:
             try:
                 _kernel = load()
+                _tuning.update(tune(_kernel))
             except KernelError as e:
-                _error = str(e)
+                _kernel, _error = None, str(e)
         return _kernel
+
+
+def tuning() -> dict:
+    """This process's fetch setting of the 4-bit groups (:func:`tune`), once the kernel is up."""
+    kernel()
+    return dict(_tuning)
 
 
 def status() -> str:

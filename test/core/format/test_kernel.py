@@ -6,6 +6,7 @@ gives the plain C path's results to float rounding, for single products and whol
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -336,3 +337,48 @@ def test_harness_of_every_path_equals_the_plain_c_path(isa, plain_harness, tmp_p
         assert bool((want >= torch.stack(plain[kept])).all()), (kind, want, plain[kept])
         assert bool((want > torch.stack(plain[kept])).any()), (kind, want, plain[kept])
         assert float((counts - want).abs().max()) <= 1, (isa, kind, counts, want)
+
+
+@pytest.fixture
+def groups_kernel():
+    k = kernel.kernel()
+    if k is None or not k.lib.si_q4g_pays():
+        pytest.skip("the 4-bit groups run on the x86 vector paths only")  # not this CPU's path
+    saved = k.lib.si_tune(-1)
+    yield k
+    k.lib.si_tune(saved)  # the process's setting, as the other tests found it
+
+
+def test_the_fetch_calibration_measures_every_setting(groups_kernel):
+    gbps = kernel.calibrate(groups_kernel, choices=(0, 2), nbytes=4 << 20, repeats=1)
+    assert set(gbps) == {0, 2} and all(v > 0.1 for v in gbps.values())
+    assert groups_kernel.lib.si_q4g_calibrate(100, 8, 2, 1) == -2  # not whole pairs of blocks
+
+
+def test_tune_calibrates_once_per_cpu_then_reads_the_cache(groups_kernel, tmp_path, monkeypatch):
+    monkeypatch.delenv(kernel.PF_ENV, raising=False)
+    monkeypatch.setattr(kernel, "CALIBRATE_BYTES", 4 << 20)
+    first = kernel.tune(groups_kernel, cache=tmp_path)
+    assert first["source"] == "calibrated" and first["pf_half"] in kernel.PF_CHOICES
+    measured = {int(c): v for c, v in first["gbps"].items()}
+    assert set(measured) == set(kernel.PF_CHOICES)
+    assert first["pf_half"] == max(measured, key=measured.get)  # the fastest measured
+    saved = json.loads((tmp_path / "tuning.json").read_text())
+    (key,) = saved
+    assert kernel.cpu_model() in key and groups_kernel.isa in key
+    saved[key]["pf_half"] = 3 if first["pf_half"] != 3 else 1  # the cache decides from now on
+    (tmp_path / "tuning.json").write_text(json.dumps(saved))
+    again = kernel.tune(groups_kernel, cache=tmp_path)
+    assert again["source"] == "cached" and again["pf_half"] == saved[key]["pf_half"]
+    assert groups_kernel.lib.si_tune(-1) == saved[key]["pf_half"]
+
+
+def test_the_environment_sets_the_fetch_and_a_bad_value_is_refused(groups_kernel, tmp_path,
+                                                                    monkeypatch):
+    monkeypatch.setenv(kernel.PF_ENV, "0")
+    got = kernel.tune(groups_kernel, cache=tmp_path)
+    assert got == {"pf_half": 0, "source": kernel.PF_ENV, "gbps": {}}
+    assert groups_kernel.lib.si_tune(-1) == 0 and not (tmp_path / "tuning.json").exists()
+    monkeypatch.setenv(kernel.PF_ENV, "fast")
+    with pytest.raises(kernel.KernelError, match=r"SELECTINFER_KERNEL_PF='fast': not one of 0-4"):
+        kernel.tune(groups_kernel, cache=tmp_path)

@@ -310,3 +310,67 @@ int si_q4g_down(const float *a, int64_t M, int64_t k, const uint8_t *blk, int64_
     }
     return 0;
 }
+
+/* The calibration of the fetch (kernel.py's tune): seconds of one pass over n groups of
+   synthetic 4-bit records (H columns, in 2 MiB pages where Linux gives them, as the weights are)
+   read from memory as the decode step's MLP reads them, one row on this thread, with si_pf_half
+   = pf_half; the best of reps passes. -1: out of memory, -2: a bad shape. */
+static double q4g_clock(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+double si_q4g_calibrate(int64_t H, int64_t n, int pf_half, int reps) {
+    if (H % (2 * QK) || H > 16384 || n < 2 || reps < 1) return -2;
+    const int64_t gb = q4g_bytes(H), nb = H / QK, hb = q4_head_bytes(H);
+    const size_t al = (size_t)2 << 20, m = ((size_t)(n * gb) + al - 1) / al * al;
+    uint8_t *blk = (uint8_t *)aligned_alloc(al, m);
+    float *x = (float *)malloc((size_t)H * sizeof(float)), *y = (float *)calloc((size_t)H, sizeof(float));
+    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)(H + 64));
+    float *xd = (float *)malloc((size_t)nb * sizeof(float));
+    int32_t *xs = (int32_t *)malloc((size_t)nb * sizeof(int32_t));
+    if (!blk || !x || !y || !xq || !xd || !xs) {
+        free(blk), free(x), free(y), free(xq), free(xd), free(xs);
+        return -1;
+    }
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    madvise(blk, m, MADV_HUGEPAGE);
+#endif
+    uint64_t r = 0x9E3779B97F4A7C15ull;
+    for (size_t i = 0; i < m; i += 8) {
+        r ^= r << 13, r ^= r >> 7, r ^= r << 17;
+        memcpy(blk + i, &r, 8);
+    }
+    const uint8_t d16[2] = {0x00, 0x20}; /* float16 2^-7: every d and dmin, the sums stay finite */
+    for (int64_t g = 0; g < n; g++) {
+        uint8_t *b = blk + g * gb;
+        for (int j = 0; j < 4; j++) /* gate, up of both halves: d[16], dmin[16] per super-block */
+            for (int64_t s = 0; s < hb / Q4_HEAD; s++)
+                for (int i = 0; i < 2 * IL; i++) memcpy(b + j * q4g_il(H) + IL * H / 2 + s * IL_HEAD + 2 * i, d16, 2);
+        for (int sl = 0; sl < GS; sl++)
+            for (int64_t s = 0; s < hb / Q4_HEAD; s++)
+                for (int i = 0; i < 2; i++) memcpy(b + q4g_dheads(H) + sl * hb + s * Q4_HEAD + 2 * i, d16, 2);
+    }
+    for (int64_t i = 0; i < H; i++) x[i] = sinf(0.37f * (float)i);
+    quantize_blocks(x, H, 0, nb, xq, xd, xs);
+    const int saved = si_pf_half;
+    si_tune(pf_half);
+    double best = 1e30;
+    for (int rep = 0; rep < reps; rep++) {
+        double t0 = q4g_clock();
+        for (int64_t g = 0; g < n; g++) {
+            const uint8_t *b = blk + g * gb;
+            si_pf pf = {b + gb, g + 1 < n ? b + 2 * gb : b + gb};
+            float gv[GS], uv[GS], a[GS];
+            q4g_gate_up(b, H, GS, xq, xd, xs, gv, uv, &pf);
+            for (int i = 0; i < GS; i++) a[i] = gv[i] * uv[i];
+            down_q4g(b, H, a, GS, y, &pf);
+        }
+        double t = q4g_clock() - t0;
+        best = t < best ? t : best;
+    }
+    si_pf_half = saved;
+    free(blk), free(x), free(y), free(xq), free(xd), free(xs);
+    return best;
+}
