@@ -337,7 +337,27 @@ def run(args: argparse.Namespace) -> list[dict]:
             row["vs_llama_cpp_q8_0"] = row["decode_tokens_per_second"] / q8["decode_tokens_per_second"]
         if q4 is not None:
             row["vs_llama_cpp_q4_k_m"] = row["decode_tokens_per_second"] / q4["decode_tokens_per_second"]
+    if profiles is not None:
+        attach_agreement(rows, Path(profiles) / "frontier.json")
     return rows
+
+
+def attach_agreement(rows: list[dict], frontier_json: Path) -> int:
+    """Each row's top-token agreement with the dense model as the model's ``frontier.json``
+    measured it for the configuration of the same name (agreement is the weights', not the
+    CPU's), for the speed-at-quality table; the rows that got one."""
+    try:
+        measured = {r["name"]: r for r in json.loads(frontier_json.read_text())}
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+    n = 0
+    for row in rows:
+        m = measured.get(row["name"])
+        if m is not None and "agreement" in m:
+            row["agreement"], row["agreement_from"] = m["agreement"], str(frontier_json)
+            row["source"] = row["method"]
+            n += 1
+    return n
 
 
 def row_of(s: Subject, dense: Subject, model_id: str, bw: float, args, threads: int) -> dict:
@@ -496,6 +516,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from .frontier import print_speed_at_quality
     from .plots import tradeoff_plot
     if args.weights is None:
         args.weights = ["float"] if args.quick else list(BENCH_WEIGHTS)
@@ -505,6 +526,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.prompt_tokens = min(args.prompt_tokens, 32)
     rows = run(args)
     print_table(rows)
+    rated = [r for r in rows if "agreement" in r]
+    if rated:
+        print_speed_at_quality(rated)
+        print(f"(agreement: {rated[0]['agreement_from']}, the same configurations scored on its "
+              f"held-out tokens; speeds: this run)")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

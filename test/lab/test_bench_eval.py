@@ -56,6 +56,25 @@ def test_bench_quick_writes_json_and_plot(tiny_models, tiny_profiles, tmp_path):
     assert q4["bytes_per_decode_token"] < q["bytes_per_decode_token"]
 
 
+def test_bench_rows_take_the_agreement_the_frontier_measured_for_their_configuration(tmp_path):
+    from selectinfer_ros.lab.bench import attach_agreement
+    rows = [{"name": "dense", "method": "dense"},
+            {"name": "selectinfer q4-all 1/1", "method": "selectinfer"},
+            {"name": "llama.cpp Q4_K_M", "method": "llama.cpp"}]
+    front = tmp_path / "frontier.json"
+    assert attach_agreement(rows, front) == 0 and all("agreement" not in r for r in rows)  # none
+    front.write_text("{not json")
+    assert attach_agreement(rows, front) == 0
+    front.write_text(json.dumps([{"name": "selectinfer q4-all 1/1", "agreement": 0.9686},
+                                 {"name": "llama.cpp Q4_K_M", "agreement": 0.9799},
+                                 {"name": "selectinfer int8 1/1", "agreement": 0.9917}]))
+    assert attach_agreement(rows, front) == 2
+    assert "agreement" not in rows[0]
+    assert rows[1]["agreement"] == 0.9686 and rows[1]["source"] == "selectinfer"
+    assert rows[2]["agreement"] == 0.9799 and rows[2]["source"] == "llama.cpp"
+    assert rows[1]["agreement_from"] == str(front)
+
+
 def test_bench_token_rows_measure_what_they_read(tiny_models, token_profiles, tmp_path):
     """Per-token rows (compute_mode token): the shares computed and read are measured over the
     timed runs, and the bytes per decode token follow them."""

@@ -178,7 +178,7 @@ def cpu_description(cpuinfo: str | Path = "/proc/cpuinfo", with_kernel: bool = T
     if k is None:
         return f"{name}, kernel none"
     t = tuning()
-    fetch = f", 4-bit fetch {t['pf_half']}/2 ({t['source']})" if k.lib.si_q4g_pays() else ""
+    fetch = f", 4-bit fetch {t['pf_half']}/2" if k.lib.si_q4g_pays() else ""
     return f"{name}, kernel {k.isa}{fetch}"
 
 
