@@ -516,7 +516,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .frontier import print_speed_at_quality
+    from .speed_quality import print_speed_at_quality
     from .plots import tradeoff_plot
     if args.weights is None:
         args.weights = ["float"] if args.quick else list(BENCH_WEIGHTS)

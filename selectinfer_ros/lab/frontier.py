@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from . import llama_cpp
+from .speed_quality import print_speed_at_quality
 
 GAMMAS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 PHI_SHARES = (1.0, 0.7)  # phi / gamma
@@ -44,7 +45,6 @@ TOKEN_SHARES = (0.7, 0.5)  # phi / gamma of the per-token rows (compute_mode tok
 LLAMA_TYPES = llama_cpp.FRONTIER_TYPES
 RANKINGS = ("profile", "random")  # the selection order of ours: the profiler's, or a random one
 TOOLS = ("llama-bench", "llama-quantize", "llama-perplexity")
-AGREEMENTS = (0.95, 0.97, 0.98, 0.99)  # the speed-at-quality table's thresholds
 BUDGETS_MIB = (150, 200, 250, 400, 1000)
 MAGIC = b"_logits_"
 LOG_P_FLOOR = -16.0  # reference log-probs at or below this are left out of the KL (llama.cpp)
@@ -391,33 +391,6 @@ def budget_table(rows: list[dict], budgets_mib=BUDGETS_MIB) -> list[dict]:
     return out
 
 
-def fastest_at(rows: list[dict], min_agreement: float, source: str | None = None) -> dict | None:
-    """The fastest decoding row (of ``source`` when given) whose agreement is at least
-    ``min_agreement``; ties go to the fewer bytes."""
-    fit = [r for r in rows if r["agreement"] >= min_agreement
-           and (source is None or r["source"] == source)]
-    return max(fit, key=lambda r: (r["decode_tokens_per_second"], -r["weight_bytes"]), default=None)
-
-
-def speed_at_quality(rows: list[dict], thresholds=AGREEMENTS) -> list[dict]:
-    """Per agreement threshold: our fastest row and llama.cpp's that reach it, and the ratio of
-    their decode speeds (None where either side has no such row)."""
-    out = []
-    for a in thresholds:
-        ours, llama = fastest_at(rows, a, "selectinfer"), fastest_at(rows, a, "llama.cpp")
-        ratio = (ours["decode_tokens_per_second"] / llama["decode_tokens_per_second"]
-                 if ours and llama and llama["decode_tokens_per_second"] else None)
-        out.append({"min_agreement": a,
-                    "ours": ours and ours["name"],
-                    "ours_agreement": ours and ours["agreement"],
-                    "ours_tokens_per_second": ours and ours["decode_tokens_per_second"],
-                    "llama_cpp": llama and llama["name"],
-                    "llama_cpp_agreement": llama and llama["agreement"],
-                    "llama_cpp_tokens_per_second": llama and llama["decode_tokens_per_second"],
-                    "ratio": ratio})
-    return out
-
-
 def run(args: argparse.Namespace, log: Log = _log) -> list[dict]:
     from ..core.execution.engine import Engine
     from ..core.format.pack import read_manifest
@@ -600,20 +573,6 @@ def print_table(rows: list[dict]) -> None:
         print(f"  {b['budget_mib']:>5} MiB: {b['best']} ({b['weight_mib']:.0f} MiB, agreement "
               f"{b['agreement']:.4f}, {b['decode_tokens_per_second']:.1f} tok/s); llama.cpp: "
               + (f"{b['llama_cpp']} ({b['llama_cpp_agreement']:.4f})" if b["llama_cpp"] else "-"))
-
-
-def print_speed_at_quality(rows: list[dict]) -> None:
-    """The speed-at-quality table: at each agreement, our fastest point against llama.cpp's."""
-    if not any(r["source"] == "llama.cpp" for r in rows):
-        return
-    print("fastest at an agreement (decode tok/s; ratio = ours / llama.cpp's):")
-    for q in speed_at_quality(rows):
-        ours = (f"{q['ours']} ({q['ours_agreement']:.4f}, {q['ours_tokens_per_second']:.1f})"
-                if q["ours"] else "-")
-        llama = (f"{q['llama_cpp']} ({q['llama_cpp_agreement']:.4f}, "
-                 f"{q['llama_cpp_tokens_per_second']:.1f})" if q["llama_cpp"] else "-")
-        ratio = f"{q['ratio']:.2f}x" if q["ratio"] is not None else "-"
-        print(f"  >= {q['min_agreement']:.2f}: ours {ours}; llama.cpp {llama}; {ratio}")
 
 
 def merge(rows: list[dict], earlier: str | Path) -> list[dict]:

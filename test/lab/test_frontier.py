@@ -43,26 +43,6 @@ def test_best_within_a_budget_and_the_budget_table():
     assert table[1000]["best"] == "ours 1" and table[1000]["agreement"] == 1.0
 
 
-def test_speed_at_quality_takes_the_fastest_row_of_each_side_that_reaches_it(capsys):
-    rows = [dict(_row("ours q4", 954, 0.969), source="selectinfer", decode_tokens_per_second=30.0),
-            dict(_row("ours tier", 1173, 0.982), source="selectinfer", decode_tokens_per_second=28.0),
-            dict(_row("ours int8", 1700, 0.992), source="selectinfer", decode_tokens_per_second=20.0),
-            dict(_row("llama.cpp Q4_K_M", 1066, 0.980), source="llama.cpp", decode_tokens_per_second=25.0),
-            dict(_row("llama.cpp Q4_0", 1017, 0.950), source="llama.cpp", decode_tokens_per_second=40.0)]
-    t = {q["min_agreement"]: q for q in fr.speed_at_quality(rows)}
-    assert t[0.95]["ours"] == "ours q4" and t[0.95]["llama_cpp"] == "llama.cpp Q4_0"
-    assert t[0.95]["ratio"] == pytest.approx(30.0 / 40.0)
-    assert t[0.97]["ours"] == "ours tier" and t[0.97]["llama_cpp"] == "llama.cpp Q4_K_M"
-    assert t[0.98]["ours"] == "ours tier" and t[0.98]["ratio"] == pytest.approx(28.0 / 25.0)
-    assert t[0.99]["ours"] == "ours int8" and t[0.99]["llama_cpp"] is None and t[0.99]["ratio"] is None
-    for r in rows:
-        r["pareto"] = False
-    fr.print_speed_at_quality(rows)
-    out = capsys.readouterr().out
-    assert ">= 0.98: ours ours tier (0.9820, 28.0); llama.cpp llama.cpp Q4_K_M (0.9800, 25.0); 1.12x" in out
-    assert ">= 0.99: ours ours int8 (0.9920, 20.0); llama.cpp -; -" in out
-
-
 def _reference_row(logits: np.ndarray) -> tuple[float, float, list[int]]:
     """perplexity.cpp's log_softmax(n_vocab, logits, uint16_t * log_prob, tok), line by line in
     Python: (scale, min_log_prob, q)."""
