@@ -517,7 +517,7 @@ def print_table(rows: list[dict]) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .speed_quality import print_speed_at_quality
-    from .plots import tradeoff_plot
+    from .plots import speed_quality_plot, tradeoff_plot
     if args.weights is None:
         args.weights = ["float"] if args.quick else list(BENCH_WEIGHTS)
     if args.quick:
@@ -539,4 +539,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       title=f"{rows[0]['model']}: decode speed vs resident weights\n"
                             f"{rows[0]['cpu']}, {rows[0]['threads']} thread(s)")
         print(f"wrote {out / 'bench.json'} and {out / 'bench_speed_vs_memory.png'}")
+        if rated:
+            speed_quality_plot(rated, out / "bench_speed_vs_agreement.png",
+                               title=f"{rows[0]['model']}: decode speed vs agreement with dense\n"
+                                     f"{rows[0]['cpu']}, {rows[0]['threads']} thread(s)")
+            print(f"wrote {out / 'bench_speed_vs_agreement.png'}")
     return 0

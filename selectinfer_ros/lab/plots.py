@@ -38,6 +38,38 @@ def tradeoff_plot(rows: list[dict], y_key: str, y_label: str, path: str | Path, 
     return Path(path)
 
 
+def speed_quality_plot(rows: list[dict], path: str | Path, title: str = "",
+                       thresholds=(0.95, 0.97, 0.98, 0.99)) -> Path:
+    """Decode tok/s against agreement with the dense model, ours and llama.cpp's points, with the
+    speed-at-quality thresholds as vertical lines (the rows need ``agreement``)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    seen = set()
+    for r in rows:
+        if r.get("agreement") is None:
+            continue
+        method = r.get("method", r.get("source", ""))
+        ax.scatter(r["agreement"], r["decode_tokens_per_second"], marker=MARKERS.get(method, "o"),
+                   s=60, label=method if method not in seen else None)
+        seen.add(method)
+        ax.annotate(r["name"].replace("selectinfer ", ""), (r["agreement"], r["decode_tokens_per_second"]),
+                    textcoords="offset points", xytext=(4, 4), fontsize=7)
+    for t in thresholds:
+        ax.axvline(t, color="grey", alpha=0.3, lw=1)
+    ax.set_xlabel("top-token agreement with the dense model (frontier.json)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("\n".join(textwrap.fill(line, 80) for line in title.splitlines()), fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
 def quality_curve_plot(curves: dict, path: str | Path, title: str = "") -> Path:
     """Agreement with dense against gamma, one line per task and compute share phi/gamma."""
     import matplotlib

@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             say(f"      full model load: {rt.load_seconds:.2f} s, {human_bytes(rt.bytes_read)} read -> the "
                 f"switch read {100 * share:.3g} % of the bytes in "
                 f"{100 * resp.reload_seconds / max(rt.load_seconds, 1e-9):.3g} % of the time")
+            if rep.neurons_read == 0:
+                say("      (nothing to read: every neuron is resident at one precision, the fastest "
+                    "point at this agreement here; load_ratio < 1, or int8_ratio > 0 on a 4-bit "
+                    "pack, makes the switch read the task's neurons)")
 
         # ---- one diagnostics message ---------------------------------------------------------
         topic = f"{node.get_namespace().rstrip('/')}/diagnostics"

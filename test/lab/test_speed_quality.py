@@ -27,3 +27,14 @@ def test_speed_at_quality_takes_the_fastest_row_of_each_side_that_reaches_it(cap
     out = capsys.readouterr().out
     assert ">= 0.98: ours ours tier (0.9820, 28.0); llama.cpp llama.cpp Q4_K_M (0.9800, 25.0); 1.12x" in out
     assert ">= 0.99: ours ours int8 (0.9920, 20.0); llama.cpp -; -" in out
+
+
+def test_the_speed_quality_plot_draws_both_sides(tmp_path):
+    from selectinfer_ros.lab.plots import speed_quality_plot
+    rows = [_row("selectinfer q4-all 1/1", 954, 0.969, "selectinfer", 24.5),
+            _row("llama.cpp Q4_K_S", 1022, 0.981, "llama.cpp", 20.6),
+            {"name": "dense", "decode_tokens_per_second": 2.3, "weight_bytes": 1}]  # no agreement
+    for r in rows[:2]:
+        r["method"] = r["source"]
+    out = speed_quality_plot(rows, tmp_path / "sq.png", title="t")
+    assert out.stat().st_size > 10_000
