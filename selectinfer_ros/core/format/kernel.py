@@ -378,6 +378,9 @@ def tune(k: Kernel, cache: Path | None = None) -> dict:
     if not isinstance(entry, dict) or entry.get("pf_half") not in PF_CHOICES:
         gbps = calibrate(k)
         entry = {"pf_half": max(gbps, key=gbps.get), "gbps": {str(c): round(v, 2) for c, v in gbps.items()}}
+        # entries of libraries no longer built here go (one per source change otherwise)
+        known = {n: e for n, e in known.items() if (k.path.parent / n.rsplit(" | ", 1)[-1]).exists()
+                 or " | " not in n}
         known[key] = entry
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -364,7 +364,7 @@ def test_tune_calibrates_once_per_cpu_then_reads_the_cache(groups_kernel, tmp_pa
     assert set(measured) == set(kernel.PF_CHOICES)
     assert first["pf_half"] == max(measured, key=measured.get)  # the fastest measured
     saved = json.loads((tmp_path / "tuning.json").read_text())
-    (key,) = saved
+    (key,) = saved  # (an entry of a library no longer built would have gone: see below)
     assert kernel.cpu_model() in key and groups_kernel.isa in key
     saved[key]["pf_half"] = 3 if first["pf_half"] != 3 else 1  # the cache decides from now on
     (tmp_path / "tuning.json").write_text(json.dumps(saved))
@@ -382,3 +382,14 @@ def test_the_environment_sets_the_fetch_and_a_bad_value_is_refused(groups_kernel
     monkeypatch.setenv(kernel.PF_ENV, "fast")
     with pytest.raises(kernel.KernelError, match=r"SELECTINFER_KERNEL_PF='fast': not one of 0-4"):
         kernel.tune(groups_kernel, cache=tmp_path)
+
+
+def test_a_calibration_drops_the_entries_of_libraries_no_longer_built(groups_kernel, tmp_path,
+                                                                      monkeypatch):
+    monkeypatch.delenv(kernel.PF_ENV, raising=False)
+    monkeypatch.setattr(kernel, "CALIBRATE_BYTES", 4 << 20)
+    gone = f"{kernel.cpu_model()} | {groups_kernel.isa} | selectinfer_kernel-gone.so"
+    here = f"{kernel.cpu_model()} | {groups_kernel.isa} | {groups_kernel.path.name}"
+    (tmp_path / "tuning.json").write_text(json.dumps({gone: {"pf_half": 1, "gbps": {}}}))
+    assert kernel.tune(groups_kernel, cache=tmp_path)["source"] == "calibrated"
+    assert set(json.loads((tmp_path / "tuning.json").read_text())) == {here}
