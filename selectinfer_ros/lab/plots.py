@@ -8,26 +8,24 @@ MARKERS = {"dense": "s", "hf_generate": "D", "selectinfer": "o", "int8": "^", "i
            "llama.cpp": "*"}
 
 
-def tradeoff_plot(rows: list[dict], y_key: str, y_label: str, path: str | Path, title: str = "") -> Path:
-    """Scatter ``y_key`` against resident weight MiB, labelled by configuration name."""
+def _labelled_scatter(points: list[tuple[float, float, str, str]], x_label: str, y_label: str,
+                      path: str | Path, title: str = "", vlines=()) -> Path:
+    """Scatter ``(x, y, method, label)`` points, one marker and legend entry per method, each
+    point labelled, with optional vertical lines at ``vlines``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 5))
-    methods = []
-    for r in rows:
-        if r.get(y_key) is None or not r.get("weight_bytes"):
-            continue
-        method = r.get("method", "")
-        marker = MARKERS.get(method, "o")
-        label = method if method not in methods else None
-        methods.append(method)
-        x = r["weight_bytes"] / 2**20
-        ax.scatter(x, r[y_key], marker=marker, s=60, label=label)
-        ax.annotate(r.get("name", method), (x, r[y_key]), textcoords="offset points", xytext=(4, 4),
-                    fontsize=7)
-    ax.set_xlabel("resident weights (MiB)")
+    seen = set()
+    for x, y, method, label in points:
+        ax.scatter(x, y, marker=MARKERS.get(method, "o"), s=60,
+                   label=method if method not in seen else None)
+        seen.add(method)
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    for v in vlines:
+        ax.axvline(v, color="grey", alpha=0.3, lw=1)
+    ax.set_xlabel(x_label)
     ax.set_ylabel(y_label)
     ax.set_title("\n".join(textwrap.fill(line, 80) for line in title.splitlines()), fontsize=10)
     ax.grid(alpha=0.3)
@@ -38,36 +36,22 @@ def tradeoff_plot(rows: list[dict], y_key: str, y_label: str, path: str | Path, 
     return Path(path)
 
 
-def speed_quality_plot(rows: list[dict], path: str | Path, title: str = "",
-                       thresholds=(0.95, 0.97, 0.98, 0.99)) -> Path:
+def tradeoff_plot(rows: list[dict], y_key: str, y_label: str, path: str | Path, title: str = "") -> Path:
+    """Scatter ``y_key`` against resident weight MiB, labelled by configuration name."""
+    points = [(r["weight_bytes"] / 2**20, r[y_key], r.get("method", ""),
+               r.get("name", r.get("method", ""))) for r in rows
+              if r.get(y_key) is not None and r.get("weight_bytes")]
+    return _labelled_scatter(points, "resident weights (MiB)", y_label, path, title)
+
+
+def speed_quality_plot(rows: list[dict], path: str | Path, title: str = "") -> Path:
     """Decode tok/s against agreement with the dense model, ours and llama.cpp's points, with the
     speed-at-quality thresholds as vertical lines (the rows need ``agreement``)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    seen = set()
-    for r in rows:
-        if r.get("agreement") is None:
-            continue
-        method = r.get("method", r.get("source", ""))
-        ax.scatter(r["agreement"], r["decode_tokens_per_second"], marker=MARKERS.get(method, "o"),
-                   s=60, label=method if method not in seen else None)
-        seen.add(method)
-        ax.annotate(r["name"].replace("selectinfer ", ""), (r["agreement"], r["decode_tokens_per_second"]),
-                    textcoords="offset points", xytext=(4, 4), fontsize=7)
-    for t in thresholds:
-        ax.axvline(t, color="grey", alpha=0.3, lw=1)
-    ax.set_xlabel("top-token agreement with the dense model (frontier.json)")
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title("\n".join(textwrap.fill(line, 80) for line in title.splitlines()), fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    from .speed_quality import AGREEMENTS
+    points = [(r["agreement"], r["decode_tokens_per_second"], r.get("method", r.get("source", "")),
+               r["name"].replace("selectinfer ", "")) for r in rows if r.get("agreement") is not None]
+    return _labelled_scatter(points, "top-token agreement with the dense model (frontier.json)",
+                             "decode tokens/s", path, title, vlines=AGREEMENTS)
 
 
 def quality_curve_plot(curves: dict, path: str | Path, title: str = "") -> Path:
